@@ -1,0 +1,205 @@
+"""`parallelize` and `plan`: the one-line entry points."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from autopar.context import current_runtime
+from autopar.methods import DataParallel, abstract_mesh, resolve_devices
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.explicit import plan_data_parallel
+from autopar.planner.plan import MeshPlan, Plan
+from autopar.runtime.compile import compile_plan
+from autopar.runtime.executable import Executable
+from autopar.tracing import (
+    TracedStep,
+    argument_names,
+    check_batch_leaves,
+    resolve_argnums,
+    trace_step,
+)
+
+logger = logging.getLogger(__name__)
+
+Argnums = Sequence[int] | str
+
+
+def _default_method() -> DataParallel:
+    return DataParallel()
+
+
+def _check_method(method: Any) -> DataParallel:
+    if not isinstance(method, DataParallel):
+        raise InvalidArgumentError(
+            f"method must be DataParallel, Zero2Parallel or Zero3Parallel, got {method!r}"
+        )
+    return method
+
+
+def _plan(traced: TracedStep, method: DataParallel, mesh: MeshPlan, cluster: ClusterSpec) -> Plan:
+    """Hand a method (configuration) to its planner as explicit arguments."""
+    return plan_data_parallel(
+        traced.program,
+        mesh,
+        cluster,
+        stage=method.zero_stage,
+        num_micro_batches=method.num_micro_batches or 1,
+    )
+
+
+def _trace(fun: Callable, args: Sequence[Any], method: DataParallel, argnums) -> TracedStep:
+    static, batch, donate = argnums
+    return trace_step(
+        fun,
+        args,
+        static_argnums=static,
+        batch_argnums=batch,
+        donate_argnums=donate,
+        regather_params=method.regather_params,
+        num_micro_batches=method.num_micro_batches or 1,
+    )
+
+
+class ParallelizedFunc:
+    """A train step wrapped by `autopar.parallelize`. Executables are cached per input shapes."""
+
+    def __init__(
+        self,
+        fun: Callable,
+        *,
+        static_argnums: Argnums,
+        donate_argnums: Argnums,
+        batch_argnums: Sequence[int],
+        method: Any,
+    ) -> None:
+        if not callable(fun):
+            raise InvalidArgumentError(f"parallelize expects a function, got {fun!r}")
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.method = _check_method(method if method is not None else _default_method())
+        self._static_argnums = static_argnums
+        self._donate_argnums = donate_argnums
+        self._batch_argnums = tuple(batch_argnums)
+        self._executables: dict[Any, Executable] = {}
+        self._plans: dict[Any, tuple[TracedStep, Plan]] = {}
+
+    def _argnums(self, args: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+        return resolve_argnums(
+            args, self._static_argnums, self._batch_argnums, self._donate_argnums
+        )
+
+    def _key(self, args: Sequence[Any], static: tuple[int, ...]) -> Any:
+        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        statics = tuple((i, args[i]) for i in static)
+        try:
+            hash(statics)
+            avals = tuple(jax.typeof(x) for x in leaves)
+        except TypeError as e:
+            self._check_batch(args)  # names the offending batch leaf, if it is one
+            raise InvalidArgumentError(
+                f"arguments must be arrays, or static (static_argnums) and hashable: {e}"
+            ) from e
+        return (static, statics, tree, avals), leaves
+
+    def _check_batch(self, args: Sequence[Any]) -> None:
+        names = argument_names(self.fun, len(args))
+        for i in self._batch_argnums:
+            check_batch_leaves(names[i % len(args)], args[i], self.method.num_micro_batches or 1)
+
+    def _traced_plan(self, args: Sequence[Any], key: Any) -> tuple[TracedStep, Plan]:
+        if key not in self._plans:
+            self._check_batch(args)
+            runtime = current_runtime()
+            mesh, _ = resolve_devices(self.method.devices, runtime.devices)
+            traced = _trace(self.fun, args, self.method, self._argnums(args))
+            self._plans[key] = (traced, _plan(traced, self.method, mesh, runtime.cluster_spec))
+        return self._plans[key]
+
+    def get_plan(self, *args: Any) -> Plan:
+        """The plan for these arguments (traced and planned once per input shapes)."""
+        key, _ = self._key(args, self._argnums(args)[0])
+        return self._traced_plan(args, key)[1]
+
+    def get_executable(self, *args: Any) -> Executable:
+        """The compiled executable for these arguments, compiled once per input shapes/statics."""
+        return self._executable(args, *self._key(args, self._argnums(args)[0]))[0]
+
+    def _executable(self, args, key, leaves) -> tuple[Executable, list[Any]]:
+        executable = self._executables.get(key)
+        if executable is None:
+            traced, plan = self._traced_plan(args, key)
+            _, devices = resolve_devices(self.method.devices, current_runtime().devices)
+            executable = compile_plan(traced, plan, devices)
+            self._executables[key] = executable
+        return executable, leaves
+
+    def __call__(self, *args: Any) -> Any:
+        executable, leaves = self._executable(args, *self._key(args, self._argnums(args)[0]))
+        return executable.call_flat(leaves)
+
+
+def parallelize(
+    fun: Callable | None = None,
+    *,
+    static_argnums: Argnums = "auto",
+    donate_argnums: Argnums = "auto",
+    batch_argnums: Sequence[int] = (1,),
+    method: Any = None,
+) -> Any:
+    """Parallelize a train step over the runtime's devices. Usable bare or with arguments.
+
+    Example::
+
+        @autopar.parallelize(method=autopar.Zero3Parallel(num_micro_batches=4))
+        def train_step(state, batch):
+            grads = autopar.grad(loss_fn)(state.params, batch)
+            return state.apply_gradients(grads=grads)
+
+    Args:
+      static_argnums: arguments baked into the program ("auto": non-array arguments).
+      donate_argnums: arguments whose buffers the step may reuse ("auto": all but batch/static).
+      batch_argnums: arguments whose leaves have the batch as dim 0 (split over devices).
+      method: DataParallel() (default), Zero2Parallel() or Zero3Parallel().
+    """
+    if fun is None:
+        return functools.partial(
+            parallelize,
+            static_argnums=static_argnums,
+            donate_argnums=donate_argnums,
+            batch_argnums=batch_argnums,
+            method=method,
+        )
+    return ParallelizedFunc(
+        fun,
+        static_argnums=static_argnums,
+        donate_argnums=donate_argnums,
+        batch_argnums=batch_argnums,
+        method=method,
+    )
+
+
+def plan(
+    fun: Callable,
+    *args: Any,
+    method: Any = None,
+    cluster_spec: ClusterSpec | None = None,
+    batch_argnums: Sequence[int] = (1,),
+    static_argnums: Sequence[int] = (),
+) -> Plan:
+    """Plan `fun(*args)` without compiling and without the target devices.
+
+    `args` may be `jax.ShapeDtypeStruct`s; `cluster_spec` may describe a cluster that is not here
+    (default: the current runtime's).
+    """
+    method = _check_method(method if method is not None else _default_method())
+    cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
+    argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
+    traced = _trace(fun, args, method, argnums)
+    return _plan(traced, method, abstract_mesh(method.devices, cluster.num_devices), cluster)

@@ -1,0 +1,116 @@
+"""The runtime autopar runs on: which devices, and which cluster they stand for.
+
+`autopar.init` sets it once per process (like `ray.init`); `autopar.shutdown` clears it. Without
+`init`, autopar runs on all local jax devices with a ClusterSpec for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_CLUSTERS = ("local",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Devices to run on and the ClusterSpec that prices them."""
+
+    kind: str
+    devices: tuple[jax.Device, ...]
+    cluster_spec: ClusterSpec
+
+
+_current: Runtime | None = None
+
+
+def _local_runtime(num_devices: int | None, cluster_spec: ClusterSpec | None) -> Runtime:
+    available = jax.devices()
+    if num_devices is None:
+        num_devices = len(available)
+    if not isinstance(num_devices, int) or not 1 <= num_devices <= len(available):
+        raise InvalidArgumentError(
+            f"num_devices={num_devices!r} is not available: this process has {len(available)} "
+            f"{available[0].platform} device(s) (simulate more CPU devices with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+        )
+    devices = tuple(available[:num_devices])
+    if cluster_spec is None:
+        cluster_spec = ClusterSpec.local(num_devices)
+    elif cluster_spec.num_devices != num_devices:
+        raise InvalidArgumentError(
+            f"cluster_spec describes {cluster_spec.num_devices} devices "
+            f"({cluster_spec.num_hosts}x{cluster_spec.devices_per_host}) but {num_devices} local "
+            "devices are used; pass num_devices to match"
+        )
+    return Runtime("local", devices, cluster_spec)
+
+
+def simulate_cpu_devices(num_devices: int) -> None:
+    """Make jax expose `num_devices` CPU devices. Call before jax runs anything.
+
+    Also selects XLA's memory-minimising CPU scheduler: the default, concurrency-optimised one
+    starts every collective as early as possible, which on simulated devices gathers all FSDP
+    parameters at once and hides the memory FSDP saves (GPUs bound this with a memory limit).
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise InvalidArgumentError(f"num_devices must be a positive int, got {num_devices!r}")
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    wanted = {
+        "--xla_force_host_platform_device_count": str(num_devices),
+        "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
+    }
+    flags = [f for f in flags if f.split("=")[0] not in wanted]
+    flags += [f"{k}={v}" for k, v in wanted.items()]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_num_cpu_devices", num_devices)
+
+
+def init(
+    cluster: str = "local",
+    *,
+    num_devices: int | None = None,
+    address: str | None = None,
+    cluster_spec: ClusterSpec | None = None,
+) -> None:
+    """Choose the devices autopar runs on.
+
+    Args:
+      cluster: "local" (this process's jax devices).
+      num_devices: use the first `num_devices` local devices (default: all).
+      address: reserved for clusters reached over the network; must be None for "local".
+      cluster_spec: the cluster the local devices stand for, so plans use its costs.
+    """
+    global _current
+    if cluster not in SUPPORTED_CLUSTERS:
+        raise InvalidArgumentError(
+            f"cluster={cluster!r} is not supported; choose one of {SUPPORTED_CLUSTERS}"
+        )
+    if _current is not None:
+        raise InvalidArgumentError(
+            f"autopar.init was already called (cluster={_current.kind!r}); call "
+            "autopar.shutdown() first"
+        )
+    if address is not None:
+        raise InvalidArgumentError(f"address={address!r} has no meaning for cluster='local'")
+    _current = _local_runtime(num_devices, cluster_spec)
+    logger.info("autopar runs on %d %s device(s)", len(_current.devices), cluster)
+
+
+def shutdown() -> None:
+    """Forget the runtime set by `init` (a later call runs on the default local runtime)."""
+    global _current
+    _current = None
+
+
+def current_runtime() -> Runtime:
+    """The runtime set by `init`, or all local devices if `init` was not called."""
+    return _current if _current is not None else _local_runtime(None, None)

@@ -1,0 +1,170 @@
+"""Marker primitives that tell autopar where gradients are computed and where parameters are used.
+
+`autopar.grad` / `autopar.value_and_grad` behave like jax's, and leave two kinds of identity markers
+in the traced program:
+
+* ``autopar_param_use[index=i]`` on every differentiated parameter leaf where the loss uses it.
+  A plan may constrain it (e.g. FSDP: stored sharded, replicated at use). With ``regather=True``
+  (methods that shard parameters), the loss runs under ``jax.checkpoint`` with a policy that never
+  saves these outputs, so the gathered parameter is gathered again in the backward pass instead
+  of being kept alive from the forward pass (SimpleFSDP's selective rematerialisation).
+* ``autopar_grad_boundary[grad_of=(...)]`` on the value, aux and gradient leaves returned by the
+  gradient computation. It separates computing gradients from applying them, which gradient
+  accumulation and pipelining need. ``grad_of[k]`` is the param index operand k is the gradient
+  of, or -1 for the loss value and aux outputs.
+
+Outside autopar the markers lower to nothing, so the decorated step runs under plain ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+PARAM_USE = "autopar_param_use"
+GRAD_BOUNDARY = "autopar_grad_boundary"
+
+
+def _identity_primitive(name: str, multiple_results: bool) -> Primitive:
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+    if multiple_results:
+        prim.def_impl(lambda *xs, **_: list(xs))
+        prim.def_abstract_eval(lambda *avals, **_: list(avals))
+        mlir.register_lowering(prim, lambda ctx, *xs, **_: list(xs))
+        ad.primitive_jvps[prim] = lambda primals, tangents, **p: (
+            prim.bind(*primals, **p),
+            tangents,
+        )
+        batching.primitive_batchers[prim] = lambda xs, dims, **p: (prim.bind(*xs, **p), dims)
+    else:
+        prim.def_impl(lambda x, **_: x)
+        prim.def_abstract_eval(lambda aval, **_: aval)
+        mlir.register_lowering(prim, lambda ctx, x, **_: [x])
+        ad.primitive_jvps[prim] = lambda primals, tangents, **p: (
+            prim.bind(*primals, **p),
+            tangents[0],
+        )
+        batching.primitive_batchers[prim] = lambda xs, dims, **p: (prim.bind(*xs, **p), dims[0])
+    return prim
+
+
+param_use_p = _identity_primitive(PARAM_USE, multiple_results=False)
+grad_boundary_p = _identity_primitive(GRAD_BOUNDARY, multiple_results=True)
+
+
+@dataclasses.dataclass(slots=True)
+class _TraceState:
+    """Per-trace state: the next free parameter index and whether to regather in backward."""
+
+    regather_params: bool = False
+    next_param_index: int = 0
+
+
+_TRACE_STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVar(
+    "autopar_trace_state", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_scope(*, regather_params: bool) -> Iterator[None]:
+    """Scope of one autopar trace: numbers parameters from 0 and sets the regather mode."""
+    token = _TRACE_STATE.set(_TraceState(regather_params=regather_params))
+    try:
+        yield
+    finally:
+        _TRACE_STATE.reset(token)
+
+
+def _never_save_param_use(prim: Any, *_: Any, **__: Any) -> bool:
+    """Checkpoint policy: save every residual except gathered parameters."""
+    return prim is not param_use_p
+
+
+def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
+def value_and_grad(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **jax_kwargs: Any
+) -> Callable:
+    """Like `jax.value_and_grad`, and marks parameter uses and the gradient boundary for autopar.
+
+    Example::
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
+    """
+    nums = _normalize_argnums(argnums)
+
+    def wrapped(*args: Any, **kwargs: Any):
+        state = _TRACE_STATE.get() or _TraceState()
+        leaves, treedefs, first_index = [], [], state.next_param_index
+        for num in nums:
+            arg_leaves, treedef = jax.tree_util.tree_flatten(args[num])
+            leaves.append(arg_leaves)
+            treedefs.append(treedef)
+        total = sum(len(x) for x in leaves)
+        state.next_param_index += total
+
+        def marked(*diff_args: Any, **kw: Any):
+            index = first_index
+            full_args = list(args)
+            for num, arg, treedef in zip(nums, diff_args, treedefs, strict=True):
+                arg_leaves = jax.tree_util.tree_leaves(arg)
+                used = [param_use_p.bind(x, index=index + k) for k, x in enumerate(arg_leaves)]
+                index += len(arg_leaves)
+                full_args[num] = jax.tree_util.tree_unflatten(treedef, used)
+            return fun(*full_args, **kw)
+
+        diff_fun = (
+            jax.checkpoint(marked, policy=_never_save_param_use)
+            if state.regather_params
+            else marked
+        )
+
+        def inner(*diff_args: Any):
+            return diff_fun(*diff_args, **kwargs)
+
+        value, grads = jax.value_and_grad(
+            inner, argnums=tuple(range(len(nums))), has_aux=has_aux, **jax_kwargs
+        )(*(args[n] for n in nums))
+        value_leaves, value_tree = jax.tree_util.tree_flatten(value)
+        grad_leaves, grad_tree = jax.tree_util.tree_flatten(grads)
+        grad_of = (-1,) * len(value_leaves) + tuple(range(first_index, first_index + total))
+        if len(grad_leaves) != total:
+            raise ValueError(
+                f"autopar.grad: expected {total} gradient leaves, got {len(grad_leaves)}"
+            )
+        marked_out = grad_boundary_p.bind(*value_leaves, *grad_leaves, grad_of=grad_of)
+        value = jax.tree_util.tree_unflatten(value_tree, marked_out[: len(value_leaves)])
+        grads = jax.tree_util.tree_unflatten(grad_tree, marked_out[len(value_leaves) :])
+        if isinstance(argnums, int):
+            grads = grads[0]
+        return value, grads
+
+    return wrapped
+
+
+def grad(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **jax_kwargs: Any
+) -> Callable:
+    """Like `jax.grad`, and marks parameter uses and the gradient boundary for autopar.
+
+    Example::
+
+        grads = autopar.grad(loss_fn)(state.params, batch)
+    """
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, **jax_kwargs)
+
+    def wrapped(*args: Any, **kwargs: Any):
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped

@@ -1,0 +1,298 @@
+"""Trace a user's train step to a canonical ClosedJaxpr plus what autopar needs to know about it.
+
+Canonical means: nested `jax.jit` / call / custom-derivative bodies are inlined (the step is already
+differentiated, so custom rules are no longer needed); `checkpoint` eqns stay, because they carry
+the rematerialisation that keeps memory low. Node ids of `planner.graph` refer to this jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from autopar.markers import tracing_scope
+from autopar.planner.errors import InvalidArgumentError, TracingError
+from autopar.planner.graph import TensorInfo, build_graph, inlined_body, is_checkpoint
+from autopar.planner.program import Program, StepSignature
+
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A traced step: the canonical jaxpr, its program view, and how to (un)flatten arguments."""
+
+    fun_name: str
+    closed_jaxpr: ClosedJaxpr
+    program: Program
+    in_tree: Any
+    out_tree: Any
+    static_argnums: tuple[int, ...]
+    num_args: int
+    num_micro_batches: int
+
+    def full_batch_avals(self) -> list[Any]:
+        """Avals of the step's inputs as the caller passes them (batch inputs un-split)."""
+        batch = set(self.program.signature.batch_inputs)
+        k = self.num_micro_batches
+        return [
+            v.aval.update(shape=(v.aval.shape[0] * k, *v.aval.shape[1:])) if i in batch else v.aval
+            for i, v in enumerate(self.closed_jaxpr.jaxpr.invars)
+        ]
+
+
+def argument_names(fun: Callable, num_args: int) -> list[str]:
+    """Positional parameter names of `fun` for messages, falling back to ``arg{i}``."""
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fun).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(num_args)]
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int, ...]:
+    for i in argnums:
+        if not isinstance(i, int) or not -num_args <= i < num_args:
+            raise InvalidArgumentError(
+                f"{name}={tuple(argnums)} is out of range: the function was called with "
+                f"{num_args} positional argument(s)"
+            )
+    return tuple(sorted({i % num_args for i in argnums}))
+
+
+def resolve_argnums(
+    args: Sequence[Any],
+    static_argnums: Sequence[int] | str,
+    batch_argnums: Sequence[int],
+    donate_argnums: Sequence[int] | str,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Resolve "auto" argnums and check ranges. Returns (static, batch, donate).
+
+    "auto" static: arguments whose leaves are not arrays or numbers (a string, a callable...).
+    "auto" donate: every argument that is neither static nor a batch (the train state), as Alpa did.
+    """
+    n = len(args)
+    batch = _check_argnums("batch_argnums", batch_argnums, n)
+    if static_argnums == "auto":
+        static = tuple(
+            i
+            for i, a in enumerate(args)
+            if i not in batch
+            and any(
+                not (_is_array_like(x) or isinstance(x, (int, float, complex, bool)))
+                for x in jax.tree_util.tree_leaves(a)
+            )
+        )
+    else:
+        static = _check_argnums("static_argnums", static_argnums, n)
+    if set(static) & set(batch):
+        raise InvalidArgumentError(
+            f"arguments {sorted(set(static) & set(batch))} are both static and batch arguments"
+        )
+    if donate_argnums == "auto":
+        donate = tuple(i for i in range(n) if i not in static and i not in batch)
+    else:
+        donate = _check_argnums("donate_argnums", donate_argnums, n)
+    return static, batch, donate
+
+
+def check_batch_leaves(arg_name: str, arg: Any, num_micro_batches: int) -> None:
+    """Every leaf of a batch argument must be an array whose dim 0 splits into micro-batches."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+        where = f"{arg_name}{jax.tree_util.keystr(path)}"
+        if not _is_array_like(leaf):
+            raise InvalidArgumentError(
+                f"batch argument leaf {where} is a {type(leaf).__name__}, not an array: every "
+                "leaf of a batch argument must be an array whose dim 0 is the batch; pass other "
+                "values in a non-batch argument or via static_argnums"
+            )
+        if len(leaf.shape) == 0:
+            raise InvalidArgumentError(
+                f"batch argument leaf {where} is a scalar: it has no batch dimension to split"
+            )
+        if leaf.shape[0] % num_micro_batches:
+            raise InvalidArgumentError(
+                f"batch argument leaf {where} has shape {tuple(leaf.shape)}: its batch dimension "
+                f"{leaf.shape[0]} is not divisible by num_micro_batches={num_micro_batches}"
+            )
+
+
+def _micro_batch_aval(aval: Any, k: int) -> Any:
+    return aval.update(shape=(aval.shape[0] // k, *aval.shape[1:]))
+
+
+def _fingerprint(closed: ClosedJaxpr) -> str:
+    text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Re-trace `closed` with nested calls inlined, keeping `checkpoint` eqns (see module doc)."""
+
+    def evaluate(jaxpr, consts, *args):
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            body = None if is_checkpoint(eqn) else inlined_body(eqn)
+            if body is not None:
+                outs = evaluate(body[0], body[1], *invals)
+            else:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *a: evaluate(closed.jaxpr, closed.consts, *a))(*avals)
+
+
+def _match_outputs_to_inputs(
+    in_keys: Sequence[tuple[str, TensorInfo]], out_keys: Sequence[tuple[str, TensorInfo]]
+) -> tuple[int | None, ...]:
+    """Pair each output with the input it updates: same path below the argument, same aval."""
+    free: dict[tuple[str, TensorInfo], list[int]] = {}
+    for i, key in enumerate(in_keys):
+        free.setdefault(key, []).append(i)
+    return tuple(free[key].pop(0) if free.get(key) else None for key in out_keys)
+
+
+def _strip_first_key(path: tuple) -> str:
+    return jax.tree_util.keystr(path[1:])
+
+
+def trace_step(
+    fun: Callable,
+    args: Sequence[Any],
+    *,
+    static_argnums: tuple[int, ...],
+    batch_argnums: tuple[int, ...],
+    donate_argnums: tuple[int, ...],
+    regather_params: bool,
+    num_micro_batches: int = 1,
+) -> TracedStep:
+    """Trace `fun(*args)` (arrays or ShapeDtypeStructs) to a TracedStep.
+
+    With `num_micro_batches` k > 1 the step is traced on micro-batches (batch dim divided by k),
+    since that is the shape its gradient part runs on.
+    """
+    names = argument_names(fun, len(args))
+    for i in batch_argnums:
+        check_batch_leaves(names[i], args[i], num_micro_batches)
+    dynamic = [i for i in range(len(args)) if i not in static_argnums]
+    dyn_args = tuple(args[i] for i in dynamic)
+    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
+    batch_leaf = [dynamic[p[0].idx] in batch_argnums for p, _ in leaves_with_paths]
+    in_avals = [
+        _micro_batch_aval(jax.typeof(leaf), num_micro_batches) if is_batch else jax.typeof(leaf)
+        for (_, leaf), is_batch in zip(leaves_with_paths, batch_leaf, strict=True)
+    ]
+
+    fun_name = getattr(fun, "__name__", repr(fun))
+    out_tree_box: list[Any] = []
+
+    def traced(*flat):
+        dyn = jax.tree_util.tree_unflatten(in_tree, flat)
+        full = list(args)
+        for i, value in zip(dynamic, dyn, strict=True):
+            full[i] = value
+        out = fun(*full)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(tree)
+        return leaves
+
+    try:
+        with tracing_scope(regather_params=regather_params):
+            raw = jax.make_jaxpr(traced)(*in_avals)
+    except _TRACER_ERRORS as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise TracingError(
+            f"autopar could not trace {fun_name}: Python control flow or a NumPy call depends "
+            f"on a traced value ({type(e).__name__}: {first_line}). Use jax.lax.cond, "
+            "jax.lax.while_loop or jnp.where for data-dependent control flow, or pass the value "
+            "as a static argument with static_argnums=(...)."
+        ) from e
+    closed = inline_calls(raw)
+    out_tree = out_tree_box[0]
+
+    arg_of_leaf = [dynamic[p[0].idx] for p, _ in leaves_with_paths]
+    input_paths = tuple(
+        f"{names[arg_of_leaf[k]]}{_strip_first_key(p)}"
+        for k, (p, _) in enumerate(leaves_with_paths)
+    )
+    in_infos = tuple(TensorInfo(tuple(a.shape), np.dtype(a.dtype)) for a in in_avals)
+    out_infos = tuple(
+        TensorInfo(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in closed.jaxpr.outvars
+    )
+    out_paths_raw = [
+        p
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(out_tree, list(range(out_tree.num_leaves)))
+        )[0]
+    ]
+    output_paths = tuple(f"out{jax.tree_util.keystr(p)}" for p in out_paths_raw)
+    state_inputs = [
+        (k, (_strip_first_key(p), in_infos[k]))
+        for k, (p, _) in enumerate(leaves_with_paths)
+        if arg_of_leaf[k] not in batch_argnums
+    ]
+    # Outputs are usually (new_state, metrics) or new_state: try both alignments of the paths.
+    candidates = []
+    for strip in (True, False):
+        out_keys = [
+            ((_strip_first_key(p) if strip else jax.tree_util.keystr(p)), out_infos[j])
+            for j, p in enumerate(out_paths_raw)
+        ]
+        pairing = _match_outputs_to_inputs([key for _, key in state_inputs], out_keys)
+        candidates.append(tuple(None if m is None else state_inputs[m][0] for m in pairing))
+    output_to_input = max(candidates, key=lambda c: sum(m is not None for m in c))
+
+    signature = StepSignature(
+        input_paths=input_paths,
+        output_paths=output_paths,
+        input_avals=in_infos,
+        output_avals=out_infos,
+        batch_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in batch_argnums),
+        donated_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in donate_argnums),
+        output_to_input=output_to_input,
+    )
+    program = Program(
+        graph=build_graph(closed), signature=signature, fingerprint=_fingerprint(closed)
+    )
+    return TracedStep(
+        fun_name=fun_name,
+        closed_jaxpr=closed,
+        program=program,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        static_argnums=static_argnums,
+        num_args=len(args),
+        num_micro_batches=num_micro_batches,
+    )

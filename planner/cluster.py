@@ -1,0 +1,210 @@
+"""What the planner knows about a cluster: device count, speed, memory and links, as plain numbers.
+
+The planner never touches devices, so a `ClusterSpec` stands for them: plans for 64 H100s can be
+made on a laptop. The physical mesh is (num_hosts, devices_per_host); axis 0 crosses hosts,
+axis 1 stays inside one. Units: FLOP/s, bytes, bytes/s, seconds.
+
+Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
+`autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
+when every device of a host talks across hosts at once (host NIC bandwidth / devices_per_host),
+which is what a collective along axis 0 of a (hosts, devices_per_host) logical mesh sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+_INT_FIELDS = ("num_hosts", "devices_per_host")
+_POSITIVE_FIELDS = ("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth")
+_NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """A homogeneous cluster of `num_hosts` hosts with `devices_per_host` accelerators each."""
+
+    num_hosts: int
+    devices_per_host: int
+    device_flops: float
+    device_memory: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    intra_host_latency: float
+    inter_host_latency: float
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in _INT_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"ClusterSpec.{field} must be a positive int, got {value!r}")
+            object.__setattr__(self, field, int(value))
+        for field in _POSITIVE_FIELDS + _NON_NEGATIVE_FIELDS:
+            value = getattr(self, field)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value >= 0
+            if not ok or (field in _POSITIVE_FIELDS and value == 0):
+                kind = "positive" if field in _POSITIVE_FIELDS else "non-negative"
+                raise ValueError(
+                    f"ClusterSpec.{field} must be a {kind} finite number, got {value!r}"
+                )
+            object.__setattr__(self, field, float(value))  # one type in reprs and JSON
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def physical_mesh_shape(self) -> tuple[int, int]:
+        return (self.num_hosts, self.devices_per_host)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict; `ClusterSpec.from_dict` reads it back unchanged."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
+        """Build from `to_dict()`'s output; every field but `name` is required, no extra keys."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"ClusterSpec.from_dict needs a mapping, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+        missing = sorted(required - d.keys())
+        unknown = sorted(set(d.keys()) - fields.keys())
+        if missing or unknown:
+            raise ValueError(
+                f"ClusterSpec.from_dict: missing keys {missing}, unknown keys {unknown}; "
+                f"expected {sorted(fields)}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike[str]) -> ClusterSpec:
+        """Read a spec written as `json.dump(spec.to_dict(), f)`. Every error names the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read cluster spec file {os.fspath(path)!r}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cluster spec file {os.fspath(path)!r} is not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cluster spec file {os.fspath(path)!r}: {e}") from e
+
+    @classmethod
+    def preset(cls, name: str) -> ClusterSpec:
+        """A known node type, e.g. "8xV100-p3"; prefix "Nx" for N such hosts: "2x8xV100-p3"."""
+        if name in PRESETS:
+            return PRESETS[name]
+        hosts, sep, node = name.partition("x")
+        if sep and hosts.isdigit() and node in PRESETS:
+            if int(hosts) < 1:
+                raise ValueError(f"cluster preset {name!r} needs at least 1 host, got {hosts}")
+            base = PRESETS[node]
+            if int(hosts) == 1:
+                return base
+            return dataclasses.replace(base, num_hosts=int(hosts), name=name)
+        raise ValueError(
+            f"unknown cluster preset {name!r}; known presets: {', '.join(preset_names())} "
+            f"(prefix 'Nx' for N hosts, e.g. '2x{preset_names()[0]}')"
+        )
+
+    def with_devices(self, num_hosts: int, devices_per_host: int) -> ClusterSpec:
+        """The same hardware cut down to a (num_hosts, devices_per_host) sub-cluster."""
+        if (
+            not 1 <= num_hosts <= self.num_hosts
+            or not 1 <= devices_per_host <= self.devices_per_host
+        ):
+            raise ValueError(
+                f"sub-cluster ({num_hosts}, {devices_per_host}) does not fit in cluster "
+                f"{self.name!r} of shape {self.physical_mesh_shape}"
+            )
+        name = f"{self.name}[{num_hosts}x{devices_per_host}]"
+        return dataclasses.replace(
+            self, num_hosts=num_hosts, devices_per_host=devices_per_host, name=name
+        )
+
+    @classmethod
+    def local(cls, num_devices: int) -> ClusterSpec:
+        """Simulated CPU devices on one host (--xla_force_host_platform_device_count).
+
+        The figures are modest guesses for a few CPU cores per device, not measurements: they keep
+        plans well-defined on a laptop; use `ClusterSpec.preset` or a profile for real numbers.
+        """
+        return cls(
+            num_hosts=1,
+            devices_per_host=num_devices,
+            device_flops=100e9,  # ~100 GFLOP/s: a few AVX2 cores in fp32
+            device_memory=8e9,  # 8 GB: a share of a laptop's RAM
+            intra_host_bandwidth=10e9,  # ~10 GB/s: memcpy between host buffers
+            inter_host_bandwidth=10e9,  # unused on one host; same as intra
+            intra_host_latency=10e-6,  # ~10 µs: thread hand-off per collective
+            inter_host_latency=10e-6,
+            name=f"local-{num_devices}",
+        )
+
+
+# Per-collective latency α from NCCL's ring model (REFERENCE.md: ≈ 8.4 µs base + 3.4 µs per NVLink
+# step, 14 µs per network step): base + one step of the link. The α-β model has no hop count,
+# so this is the start-up cost of one collective, not of a full ring pass.
+_NVLINK_ALPHA = 8.4e-6 + 3.4e-6  # 11.8 µs
+_NETWORK_ALPHA = 8.4e-6 + 14e-6  # 22.4 µs
+
+_PRESETS: dict[str, ClusterSpec] = {
+    # AWS p3.16xlarge, Alpa's testbed (REFERENCE.md): 8 × V100 16 GB with NVLink, 25 Gb/s network.
+    "8xV100-p3": ClusterSpec(
+        num_hosts=1,
+        devices_per_host=8,
+        device_flops=125e12,  # V100 fp16 tensor-core peak (Alpa trained in fp16)
+        device_memory=16e9,  # 16 GB HBM2 (decimal GB: leaves room for the CUDA context)
+        intra_host_bandwidth=130e9,  # ≈ NCCL all-reduce bus bw on the DGX-1V-style NVLink mesh
+        inter_host_bandwidth=25e9 / 8 / 8,  # 25 Gb/s = 3.125 GB/s per host, shared by 8 GPUs
+        intra_host_latency=_NVLINK_ALPHA,
+        inter_host_latency=_NETWORK_ALPHA,
+        name="8xV100-p3",
+    ),
+    # DGX/HGX A100 80 GB node.
+    "8xA100-80G": ClusterSpec(
+        num_hosts=1,
+        devices_per_host=8,
+        device_flops=312e12,  # A100 bf16 dense tensor-core peak
+        device_memory=80e9,  # 80 GB HBM2e
+        intra_host_bandwidth=200e9,  # NVLink all-reduce bus bw ≈ 200–208 GB/s (REFERENCE.md)
+        inter_host_bandwidth=90e9 / 8,  # 4 × 200 Gb/s HDR ≈ 85–96 GB/s per node (REFERENCE.md)
+        intra_host_latency=_NVLINK_ALPHA,
+        inter_host_latency=_NETWORK_ALPHA,
+        name="8xA100-80G",
+    ),
+    # DGX/HGX H100 80 GB (SXM) node.
+    "8xH100-80G": ClusterSpec(
+        num_hosts=1,
+        devices_per_host=8,
+        device_flops=989e12,  # H100 SXM bf16 dense tensor-core peak
+        device_memory=80e9,  # 80 GB HBM3
+        intra_host_bandwidth=370e9,  # NCCL ≈ 370 GB/s of the 450 GB/s NVLink line rate (REFERENCE)
+        # 8 × 400 Gb/s NDR = 50 GB/s per GPU line rate; × 0.9, the measured/line ratio of the
+        # A100's HDR figure above (90 of 100 GB/s), as REFERENCE.md has no measured NDR figure.
+        inter_host_bandwidth=45e9,
+        intra_host_latency=_NVLINK_ALPHA,
+        inter_host_latency=_NETWORK_ALPHA,
+        name="8xH100-80G",
+    ),
+}
+PRESETS: Mapping[str, ClusterSpec] = MappingProxyType(_PRESETS)
+"""Single-host node presets by name; `ClusterSpec.preset("Nx<name>")` gives N hosts of one."""
+
+
+def preset_names() -> list[str]:
+    """Names of the single-host presets (each also reachable with an "Nx" host-count prefix)."""
+    return sorted(PRESETS)

@@ -1,0 +1,19 @@
+"""Exception types; each message names the argument, shape, device count or memory involved."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class InvalidArgumentError(AutoparError, ValueError):
+    """An argument of the user's call (shape, type, option) cannot be used as given."""
+
+
+class TracingError(AutoparError):
+    """The train step could not be traced to a jaxpr."""
+
+
+class PlanningError(AutoparError):
+    """No valid plan exists for this program on this cluster with these options."""

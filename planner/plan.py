@@ -1,0 +1,207 @@
+"""The Plan: the contract between the planner and the runtime.
+
+Plain, frozen, JSON-serialisable data. The planner produces it from a jaxpr and a ClusterSpec
+without touching devices; the runtime executes it faithfully without deciding anything.
+
+Sharding specs are tuples with one entry per tensor dimension: ``None`` (not split) or a tuple of
+mesh axis names that split that dimension, e.g. ``(("data",), None)`` splits dim 0 over "data".
+Nodes are named by the op-graph ids of `planner.graph` (eqn paths like ``"12"`` or ``"12/3"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Spec = tuple[tuple[str, ...] | None, ...]
+
+PLAN_FORMAT_VERSION = 1
+
+
+def replicated(ndim: int) -> Spec:
+    """The spec of a tensor of `ndim` dimensions that is not split at all."""
+    return (None,) * ndim
+
+
+def spec_axes(spec: Spec) -> tuple[str, ...]:
+    """All mesh axes that split some dimension of a tensor with this spec."""
+    return tuple(axis for entry in spec if entry for axis in entry)
+
+
+def format_spec(spec: Spec | None) -> str:
+    """Short human form, like jax's PartitionSpec: ``P('data', None)``; ``auto`` for None."""
+    if spec is None:
+        return "auto"
+    parts = []
+    for entry in spec:
+        if entry is None:
+            parts.append("None")
+        elif len(entry) == 1:
+            parts.append(repr(entry[0]))
+        else:
+            parts.append(repr(tuple(entry)))
+    return f"P({', '.join(parts)})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshPlan:
+    """A logical device mesh: its shape, axis names, and which devices (by index) fill it."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device_indices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axis_names):
+            raise ValueError(f"mesh shape {self.shape} and axis names {self.axis_names} differ")
+        size = 1
+        for dim in self.shape:
+            size *= dim
+        if size != len(self.device_indices):
+            raise ValueError(
+                f"mesh shape {self.shape} needs {size} devices, got {len(self.device_indices)}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_indices)
+
+    def axis_size(self, axes: Sequence[str]) -> int:
+        """Number of devices across the given axes."""
+        size = 1
+        for axis in axes:
+            size *= self.shape[self.axis_names.index(axis)]
+        return size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReduceScatterLowering:
+    """Compute a node on local shards (operands split as given) and reduce-scatter the result.
+
+    Used where a node sums over a split dimension (a gradient summed over the batch) and its
+    output is wanted split: the partial sums are reduce-scattered instead of all-reduced.
+    """
+
+    operand_specs: tuple[Spec | None, ...]
+    output_spec: Spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage: a mesh and the shardings of the step's values on it."""
+
+    index: int
+    mesh: MeshPlan
+    input_specs: tuple[Spec, ...]
+    output_specs: tuple[Spec, ...]
+    param_use_specs: Mapping[int, Spec] = dataclasses.field(default_factory=dict)
+    node_output_specs: Mapping[str, tuple[Spec | None, ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    reduce_scatter: Mapping[str, ReduceScatterLowering] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Predicted:
+    """Cost-model predictions for one training step, per device."""
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    memory_per_device_bytes: float
+    communication_bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """How to run one training step in parallel. See the module docstring."""
+
+    method: str
+    num_micro_batches: int
+    stages: tuple[StagePlan, ...]
+    predicted: Predicted
+    cluster: Mapping[str, Any]
+    input_paths: tuple[str, ...]
+    output_paths: tuple[str, ...]
+    donated_inputs: tuple[int, ...] = ()
+    fingerprint: str = ""
+    notes: tuple[str, ...] = ()
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialise to JSON (never pickle); `Plan.from_json` reads it back to an equal plan."""
+        return json.dumps(
+            {"format_version": PLAN_FORMAT_VERSION, **_to_jsonable(self)}, indent=indent
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        version = data.pop("format_version", None)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {version!r} is not supported (expected {PLAN_FORMAT_VERSION})"
+            )
+        return _plan_from_dict(data)
+
+    def summary(self, max_inputs: int = 40) -> str:
+        """A text table: stages, meshes, input shardings and predicted costs."""
+        from autopar.planner.summary import plan_summary
+
+        return plan_summary(self, max_inputs=max_inputs)
+
+
+def _to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
+
+def _spec(value: Any) -> Spec | None:
+    if value is None:
+        return None
+    return tuple(None if entry is None else tuple(entry) for entry in value)
+
+
+def _stage_from_dict(d: Mapping[str, Any]) -> StagePlan:
+    return StagePlan(
+        index=d["index"],
+        mesh=MeshPlan(
+            shape=tuple(d["mesh"]["shape"]),
+            axis_names=tuple(d["mesh"]["axis_names"]),
+            device_indices=tuple(d["mesh"]["device_indices"]),
+        ),
+        input_specs=tuple(_spec(s) for s in d["input_specs"]),
+        output_specs=tuple(_spec(s) for s in d["output_specs"]),
+        param_use_specs={int(k): _spec(v) for k, v in d["param_use_specs"].items()},
+        node_output_specs={
+            k: tuple(_spec(s) for s in v) for k, v in d["node_output_specs"].items()
+        },
+        reduce_scatter={
+            k: ReduceScatterLowering(
+                operand_specs=tuple(_spec(s) for s in v["operand_specs"]),
+                output_spec=_spec(v["output_spec"]),
+            )
+            for k, v in d["reduce_scatter"].items()
+        },
+    )
+
+
+def _plan_from_dict(d: Mapping[str, Any]) -> Plan:
+    return Plan(
+        method=d["method"],
+        num_micro_batches=d["num_micro_batches"],
+        stages=tuple(_stage_from_dict(s) for s in d["stages"]),
+        predicted=Predicted(**d["predicted"]),
+        cluster=dict(d["cluster"]),
+        input_paths=tuple(d["input_paths"]),
+        output_paths=tuple(d["output_paths"]),
+        donated_inputs=tuple(d["donated_inputs"]),
+        fingerprint=d["fingerprint"],
+        notes=tuple(d["notes"]),
+    )

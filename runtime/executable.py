@@ -1,0 +1,146 @@
+"""Executable: a compiled plan, called with the user's pytrees, with its HLO and memory readable."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from autopar.planner.plan import Plan
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """Per-device bytes from XLA's compiled memory analysis."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs (minus donated aliases) + temporaries: XLA's peak estimate."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def _place(x: Any, sharding: NamedSharding, donated: bool) -> jax.Array:
+    """Move `x` to `sharding`. A donated jax array is copied first: device_put may alias its
+    buffer, and donation must never consume an array the caller still holds."""
+    if donated and isinstance(x, jax.Array):
+        x = x.copy()
+    return jax.device_put(x, sharding)
+
+
+class Executable:
+    """A plan compiled for concrete devices. Call it like the original step."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        compiled: jax.stages.Compiled,
+        in_shardings: Sequence[NamedSharding],
+        out_shardings: Sequence[NamedSharding],
+        in_tree: Any,
+        out_tree: Any,
+        static_argnums: tuple[int, ...],
+        num_args: int,
+    ) -> None:
+        self.plan = plan
+        self._compiled = compiled
+        self._flat_in_shardings = tuple(in_shardings)
+        self._flat_out_shardings = tuple(out_shardings)
+        self._in_tree = in_tree
+        self._out_tree = out_tree
+        self._static_argnums = static_argnums
+        self._num_args = num_args
+        donated = set(plan.donated_inputs)
+        self._donated = tuple(i in donated for i in range(len(self._flat_in_shardings)))
+
+    def _dynamic(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.call_flat(jax.tree_util.tree_leaves(self._dynamic(args)))
+
+    def call_flat(self, flat: Sequence[Any]) -> Any:
+        """Run on the flattened dynamic arguments; returns the outputs as a pytree."""
+        placed = [
+            x if isinstance(x, jax.Array) and x.sharding == s else _place(x, s, donated)
+            for x, s, donated in zip(flat, self._flat_in_shardings, self._donated, strict=True)
+        ]
+        outs = self._compiled(*placed)
+        return jax.tree_util.tree_unflatten(self._out_tree, outs)
+
+    @property
+    def input_shardings(self) -> tuple[Any, ...]:
+        """Shardings of the dynamic arguments, as pytrees shaped like them."""
+        return jax.tree_util.tree_unflatten(self._in_tree, self._flat_in_shardings)
+
+    @property
+    def output_shardings(self) -> Any:
+        """Shardings of the outputs, as a pytree shaped like them."""
+        return jax.tree_util.tree_unflatten(self._out_tree, self._flat_out_shardings)
+
+    def get_hlo_text(self) -> str:
+        """The optimised, SPMD-partitioned HLO that runs on each device."""
+        return self._compiled.as_text()
+
+    def memory_stats(self) -> MemoryStats:
+        """Per-device argument, output, temp and peak bytes from XLA's memory analysis."""
+        m = self._compiled.memory_analysis()
+        return MemoryStats(
+            argument_bytes=int(m.argument_size_in_bytes),
+            output_bytes=int(m.output_size_in_bytes),
+            alias_bytes=int(m.alias_size_in_bytes),
+            temp_bytes=int(m.temp_size_in_bytes),
+        )
+
+    def collectives(self) -> dict[str, list[int]]:
+        """Per collective kind, the byte size of each such op in the HLO (output shape)."""
+        return collective_bytes(self.get_hlo_text())
+
+
+_DTYPE_BYTES = {
+    "f64": 8,
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "s64": 8,
+    "s32": 4,
+    "s16": 2,
+    "s8": 1,
+    "u64": 8,
+    "u32": 4,
+    "u16": 2,
+    "u8": 1,
+    "pred": 1,
+}
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = _DTYPE_BYTES.get(dtype, 4)
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size
+    return total
+
+
+def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
+    """Parse HLO text: for each collective kind, the result bytes of each op (async starts once)."""
+    found: dict[str, list[int]] = {kind: [] for kind in COLLECTIVES}
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        match = pattern.search(line)
+        if match:
+            found[match.group(2)].append(_shape_bytes(match.group(1)))
+    return found

@@ -1,0 +1,22 @@
+"""Test setup: 8 simulated CPU devices (set before jax starts a backend) and shared helpers."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import autopar  # noqa: E402
+
+autopar.simulate_cpu_devices(8)
+
+
+def relative_error(actual, expected) -> float:
+    """Largest, over leaves, of ||a - e|| / ||e|| (absolute where the expected leaf is zero)."""
+    worst = 0.0
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale, diff = np.linalg.norm(e), np.linalg.norm(a - e)
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst

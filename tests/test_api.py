@@ -1,0 +1,146 @@
+"""Public API: caching, plans without devices, plan files, markers, init, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_error
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+import autopar
+from autopar.models import MLPConfig, mlp
+
+CONFIG = MLPConfig()
+
+
+def _step():
+    return mlp.make_train_step(autopar.value_and_grad)
+
+
+def test_bare_decorator_and_executable_cache():
+    step = autopar.parallelize(_step())
+    state = mlp.create_train_state(CONFIG)
+    first = step.get_executable(state, mlp.make_batch(CONFIG, 16))
+    assert step.get_executable(state, mlp.make_batch(CONFIG, 16, seed=1)) is first
+    assert step.get_executable(state, mlp.make_batch(CONFIG, 32)) is not first
+    assert isinstance(first.plan, autopar.Plan)
+    assert first.input_shardings[1]["x"].spec == jax.sharding.PartitionSpec("data", None)
+
+
+def test_markers_match_jax_outside_autopar():
+    state, batch = mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8)
+    ours = jax.jit(_step())(state, batch)
+    theirs = jax.jit(mlp.train_step)(state, batch)
+    assert relative_error(ours[0].params, theirs[0].params) == 0.0
+
+
+def test_plan_without_devices_for_a_bigger_cluster_and_json_roundtrip():
+    state = jax.eval_shape(lambda: mlp.create_train_state(CONFIG))
+    batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in mlp.make_batch(CONFIG, 64).items()
+    }
+    cluster = autopar.ClusterSpec.preset("2x8xV100-p3")
+    plan = autopar.plan(_step(), state, batch, method=autopar.Zero3Parallel(), cluster_spec=cluster)
+    assert plan.stages[0].mesh.num_devices == 16
+    assert plan.predicted.communication_s > 0
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+    text = plan.summary()
+    assert "zero3" in text and "batch['x']" in text
+
+
+def test_unknown_primitive_runs():
+    scale_p = Primitive("autopar_test_scale")
+    scale_p.def_impl(lambda x: x * 2)
+    scale_p.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(scale_p, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+
+    def step(w, batch):
+        return w + jnp.sum(scale_p.bind(batch["x"]), axis=0)
+
+    w = jnp.zeros(CONFIG.in_dim)
+    batch = mlp.make_batch(CONFIG, 16)
+    out = autopar.parallelize(step, donate_argnums=())(w, batch)
+    np.testing.assert_allclose(out, 2 * batch["x"].sum(0), rtol=1e-5)
+
+
+def test_init_and_shutdown():
+    autopar.init(num_devices=4)
+    try:
+        with pytest.raises(autopar.InvalidArgumentError, match="already called"):
+            autopar.init()
+        step = autopar.parallelize(_step())
+        plan = step.get_plan(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8))
+        assert plan.stages[0].mesh.num_devices == 4
+    finally:
+        autopar.shutdown()
+    with pytest.raises(autopar.InvalidArgumentError, match="num_devices=99"):
+        autopar.init(num_devices=99)
+    with pytest.raises(autopar.InvalidArgumentError, match="cluster='slurm'"):
+        autopar.init("slurm")
+
+
+def test_mesh_as_devices():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    step = autopar.parallelize(_step(), method=autopar.DataParallel(devices=mesh))
+    state, _ = step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8))
+    assert jax.tree.leaves(state.params)[0].sharding.mesh.shape == {"a": 2, "b": 2}
+
+
+# --- bad input: each error names the argument and the sizes, and nothing runs ---------------
+
+
+def test_batch_not_divisible_by_devices_times_micro_batches():
+    step = autopar.parallelize(_step(), method=autopar.DataParallel(num_micro_batches=2))
+    with pytest.raises(
+        autopar.InvalidArgumentError, match=r"batch\['x'\].*\(24, 32\).*8\).*\(2\) = 16"
+    ):
+        step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 24))
+
+
+def test_batch_not_divisible_by_micro_batches():
+    step = autopar.parallelize(_step(), method=autopar.DataParallel(num_micro_batches=3))
+    with pytest.raises(autopar.InvalidArgumentError, match="not divisible by num_micro_batches=3"):
+        step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 16))
+
+
+def test_non_array_leaf_in_batch():
+    batch = {**mlp.make_batch(CONFIG, 8), "name": "train"}
+    with pytest.raises(autopar.InvalidArgumentError, match=r"batch\['name'\] is a str"):
+        autopar.parallelize(_step())(mlp.create_train_state(CONFIG), batch)
+
+
+def test_batch_argnums_out_of_range():
+    step = autopar.parallelize(_step(), batch_argnums=(2,))
+    with pytest.raises(autopar.InvalidArgumentError, match=r"batch_argnums=\(2,\).*2 positional"):
+        step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8))
+
+
+def test_untraceable_function_says_why():
+    def step(w, batch):
+        if jnp.sum(batch["x"]) > 0:  # Python control flow on a traced value
+            return w + 1
+        return w
+
+    with pytest.raises(autopar.TracingError, match="step.*jax.lax.cond.*static_argnums"):
+        autopar.parallelize(step)(jnp.zeros(3), mlp.make_batch(CONFIG, 8))
+
+
+def test_micro_batches_need_autopar_grad():
+    step = autopar.parallelize(mlp.train_step, method=autopar.DataParallel(num_micro_batches=2))
+    with pytest.raises(autopar.PlanningError, match="autopar.grad"):
+        step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 16))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_bad_num_micro_batches(bad):
+    with pytest.raises(autopar.InvalidArgumentError, match="num_micro_batches"):
+        autopar.Zero3Parallel(num_micro_batches=bad)
+
+
+def test_bad_method_and_devices():
+    with pytest.raises(autopar.InvalidArgumentError, match="method must be"):
+        autopar.parallelize(_step(), method="fsdp")
+    step = autopar.parallelize(_step(), method=autopar.DataParallel(devices="gpu:0"))
+    with pytest.raises(autopar.InvalidArgumentError, match="devices must be"):
+        step(mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8))
