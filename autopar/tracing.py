@@ -41,7 +41,6 @@ class TracedStep:
     in_tree: Any
     out_tree: Any
     static_argnums: tuple[int, ...]
-    num_args: int
     num_micro_batches: int
 
     def full_batch_avals(self) -> list[Any]:
@@ -293,6 +292,5 @@ def trace_step(
         in_tree=in_tree,
         out_tree=out_tree,
         static_argnums=static_argnums,
-        num_args=len(args),
         num_micro_batches=num_micro_batches,
     )

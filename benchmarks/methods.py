@@ -1,6 +1,6 @@
 """Benchmark: per-device memory of DataParallel / ZeRO-2 / ZeRO-3 on the GPT example (8 simulated
 devices, XLA's compiled memory analysis), and the per-step overhead of `@autopar.parallelize` on
-one device versus plain `jax.jit` (median of repeated steps).
+one device versus plain `jax.jit` (median of alternating steps).
 
     python benchmarks/methods.py [--steps 30]
 
@@ -51,44 +51,38 @@ def memory_table(config: GPTConfig, batch_size: int) -> list[dict]:
     return rows
 
 
-def _median_step_seconds(step, state, batch, steps: int) -> float:
-    state, metrics = step(state, batch)  # compile and warm up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def overhead(config: GPTConfig, batch_size: int, steps: int) -> dict:
-    batch = gpt.make_batch(config, batch_size)
+    """Median step time of both, timing their steps alternately so machine noise hits both."""
     device = jax.devices()[0]
-    batch = jax.device_put(batch, device)
-    plain = jax.jit(gpt.make_train_step(jax.value_and_grad), donate_argnums=0)
-    ours = autopar.parallelize(
-        gpt.make_train_step(autopar.value_and_grad), method=autopar.DataParallel(devices=[device])
-    )
-    # Alternate the two so that machine noise hits both alike.
-    t_plain, t_ours = [], []
-    for _ in tqdm(range(3), desc="overhead rounds"):
-        t_plain.append(_median_step_seconds(plain, gpt.create_train_state(config), batch, steps))
-        t_ours.append(_median_step_seconds(ours, gpt.create_train_state(config), batch, steps))
-    plain_s, ours_s = min(t_plain), min(t_ours)
+    batch = jax.device_put(gpt.make_batch(config, batch_size), device)
+    steps_by_name = {
+        "jax_jit": jax.jit(gpt.make_train_step(jax.value_and_grad), donate_argnums=0),
+        "autopar": autopar.parallelize(
+            gpt.make_train_step(autopar.value_and_grad),
+            method=autopar.DataParallel(devices=[device]),
+        ),
+    }
+    states = {name: gpt.create_train_state(config) for name in steps_by_name}
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    for i in tqdm(range(steps + 2), desc="overhead"):
+        for name, step in steps_by_name.items():
+            start = time.perf_counter()
+            states[name], metrics = step(states[name], batch)
+            jax.block_until_ready((states[name], metrics))
+            if i >= 2:  # the first two calls compile and warm up
+                times[name].append(time.perf_counter() - start)
+    plain, ours = (statistics.median(times[n]) for n in ("jax_jit", "autopar"))
     return {
-        "jax_jit_ms": plain_s * 1e3,
-        "autopar_ms": ours_s * 1e3,
-        "ratio": ours_s / plain_s,
-        "steps_per_round": steps,
-        "rounds": 3,
+        "jax_jit_ms": plain * 1e3,
+        "autopar_ms": ours * 1e3,
+        "ratio": ours / plain,
+        "steps": steps,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     config, batch_size = GPTConfig(hidden=128, num_layers=2, vocab_size=512), 16
     rows = memory_table(config, batch_size)
@@ -122,7 +116,7 @@ def main() -> None:
         )
     lines += [
         "",
-        "## `@autopar.parallelize` on 1 device vs `jax.jit` (median step, best of 3 rounds)",
+        f"## `@autopar.parallelize` on 1 device vs `jax.jit` (median of {over['steps']} steps)",
         "",
         "| jax.jit ms | autopar ms | ratio |",
         "|---|---|---|",

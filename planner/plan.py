@@ -25,11 +25,6 @@ def replicated(ndim: int) -> Spec:
     return (None,) * ndim
 
 
-def spec_axes(spec: Spec) -> tuple[str, ...]:
-    """All mesh axes that split some dimension of a tensor with this spec."""
-    return tuple(axis for entry in spec if entry for axis in entry)
-
-
 def format_spec(spec: Spec | None) -> str:
     """Short human form, like jax's PartitionSpec: ``P('data', None)``; ``auto`` for None."""
     if spec is None:

@@ -21,7 +21,9 @@ def plan_summary(plan: Plan, max_inputs: int = 40) -> str:
         f"cluster {plan.cluster.get('name', '?')}",
     ]
     for stage in plan.stages:
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True))
+        mesh = " x ".join(
+            f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True)
+        )
         lines.append(
             f"stage {stage.index}: mesh ({mesh}) on devices {list(stage.mesh.device_indices)}"
         )

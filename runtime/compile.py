@@ -62,5 +62,4 @@ def compile_plan(traced: TracedStep, plan: Plan, devices: Sequence[jax.Device]) 
         traced.in_tree,
         traced.out_tree,
         traced.static_argnums,
-        traced.num_args,
     )

@@ -50,7 +50,6 @@ class Executable:
         in_tree: Any,
         out_tree: Any,
         static_argnums: tuple[int, ...],
-        num_args: int,
     ) -> None:
         self.plan = plan
         self._compiled = compiled
@@ -59,7 +58,6 @@ class Executable:
         self._in_tree = in_tree
         self._out_tree = out_tree
         self._static_argnums = static_argnums
-        self._num_args = num_args
         donated = set(plan.donated_inputs)
         self._donated = tuple(i in donated for i in range(len(self._flat_in_shardings)))
 
