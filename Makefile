@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint
+.PHONY: demo test bench bench-planner lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/methods.py
+
+bench-planner: $(STAMP)
+	$(VENV)/bin/python benchmarks/planning_time.py
+	$(VENV)/bin/python benchmarks/plan_quality.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

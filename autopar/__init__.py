@@ -9,7 +9,8 @@ def train_step(state, batch):
 from autopar.api import ParallelizedFunc, parallelize, plan
 from autopar.context import init, shutdown, simulate_cpu_devices
 from autopar.markers import grad, value_and_grad
-from autopar.methods import DataParallel, Zero2Parallel, Zero3Parallel
+from autopar.methods import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from autopar.options import AutoShardingOption
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import (
     AutoparError,
@@ -23,6 +24,7 @@ from autopar.runtime.executable import Executable, MemoryStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoShardingOption",
     "AutoparError",
     "ClusterSpec",
     "DataParallel",
@@ -32,6 +34,7 @@ __all__ = [
     "ParallelizedFunc",
     "Plan",
     "PlanningError",
+    "ShardParallel",
     "TracingError",
     "Zero2Parallel",
     "Zero3Parallel",

@@ -10,10 +10,11 @@ from typing import Any
 import jax
 
 from autopar.context import current_runtime
-from autopar.methods import DataParallel, abstract_mesh, resolve_devices
+from autopar.methods import DataParallel, Method, ShardParallel, method_mesh
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import plan_data_parallel
+from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
@@ -30,30 +31,29 @@ logger = logging.getLogger(__name__)
 Argnums = Sequence[int] | str
 
 
-def _default_method() -> DataParallel:
-    return DataParallel()
-
-
-def _check_method(method: Any) -> DataParallel:
-    if not isinstance(method, DataParallel):
+def _check_method(method: Any) -> Method:
+    if method is None:
+        return ShardParallel()
+    if not isinstance(method, DataParallel | ShardParallel):
         raise InvalidArgumentError(
-            f"method must be DataParallel, Zero2Parallel or Zero3Parallel, got {method!r}"
+            "method must be ShardParallel, DataParallel, Zero2Parallel or Zero3Parallel, got "
+            f"{method!r}"
         )
     return method
 
 
-def _plan(traced: TracedStep, method: DataParallel, mesh: MeshPlan, cluster: ClusterSpec) -> Plan:
+def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSpec) -> Plan:
     """Hand a method (configuration) to its planner as explicit arguments."""
+    k = method.num_micro_batches or 1
+    if isinstance(method, ShardParallel):
+        config = method.auto_sharding_option.to_config()
+        return plan_shard_parallel(traced.program, mesh, cluster, config, k)
     return plan_data_parallel(
-        traced.program,
-        mesh,
-        cluster,
-        stage=method.zero_stage,
-        num_micro_batches=method.num_micro_batches or 1,
+        traced.program, mesh, cluster, stage=method.zero_stage, num_micro_batches=k
     )
 
 
-def _trace(fun: Callable, args: Sequence[Any], method: DataParallel, argnums) -> TracedStep:
+def _trace(fun: Callable, args: Sequence[Any], method: Method, argnums) -> TracedStep:
     static, batch, donate = argnums
     return trace_step(
         fun,
@@ -82,7 +82,7 @@ class ParallelizedFunc:
             raise InvalidArgumentError(f"parallelize expects a function, got {fun!r}")
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.method = _check_method(method if method is not None else _default_method())
+        self.method = _check_method(method)
         self._static_argnums = static_argnums
         self._donate_argnums = donate_argnums
         self._batch_argnums = tuple(batch_argnums)
@@ -117,7 +117,7 @@ class ParallelizedFunc:
         if key not in self._plans:
             self._check_batch(args)
             runtime = current_runtime()
-            mesh, _ = resolve_devices(self.method.devices, runtime.devices)
+            mesh, _ = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
             traced = _trace(self.fun, args, self.method, self._argnums(args))
             self._plans[key] = (traced, _plan(traced, self.method, mesh, runtime.cluster_spec))
         return self._plans[key]
@@ -135,7 +135,8 @@ class ParallelizedFunc:
         executable = self._executables.get(key)
         if executable is None:
             traced, plan = self._traced_plan(args, key)
-            _, devices = resolve_devices(self.method.devices, current_runtime().devices)
+            runtime = current_runtime()
+            _, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
             executable = compile_plan(traced, plan, devices)
             self._executables[key] = executable
         return executable, leaves
@@ -166,7 +167,8 @@ def parallelize(
       static_argnums: arguments baked into the program ("auto": non-array arguments).
       donate_argnums: arguments whose buffers the step may reuse ("auto": all but batch/static).
       batch_argnums: arguments whose leaves have the batch as dim 0 (split over devices).
-      method: DataParallel() (default), Zero2Parallel() or Zero3Parallel().
+      method: ShardParallel() (default: automatic sharding by ILP), DataParallel(),
+        Zero2Parallel() or Zero3Parallel().
     """
     if fun is None:
         return functools.partial(
@@ -198,8 +200,8 @@ def plan(
     `args` may be `jax.ShapeDtypeStruct`s; `cluster_spec` may describe a cluster that is not here
     (default: the current runtime's).
     """
-    method = _check_method(method if method is not None else _default_method())
+    method = _check_method(method)
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
     traced = _trace(fun, args, method, argnums)
-    return _plan(traced, method, abstract_mesh(method.devices, cluster.num_devices), cluster)
+    return _plan(traced, method, method_mesh(method, cluster)[0], cluster)

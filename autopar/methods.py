@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from autopar.options import AutoShardingOption
+from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import ZeroStage
 from autopar.planner.plan import MeshPlan
@@ -60,7 +62,42 @@ class Zero3Parallel(DataParallel):
     zero_stage: ClassVar[ZeroStage] = ZeroStage.ZERO3
 
 
-Method = DataParallel
+@dataclasses.dataclass(frozen=True)
+class ShardParallel:
+    """Automatic intra-op parallelism: an ILP picks a sharding for every op (Alpa's intra-op pass).
+
+    Args:
+      devices: None (all devices of the runtime: a 1D mesh, or (hosts, devices per host) on a
+        multi-host cluster), a list of jax devices (1D mesh), or a `jax.sharding.Mesh` whose
+        (1D or 2D) shape and axis names the plan uses.
+      num_micro_batches: accumulate gradients over this many micro-batches per step.
+      auto_sharding_option: restricts or tunes the search (`AutoShardingOption`).
+    """
+
+    devices: Any = None
+    num_micro_batches: int | None = None
+    auto_sharding_option: AutoShardingOption = dataclasses.field(default_factory=AutoShardingOption)
+
+    def __post_init__(self) -> None:
+        _check_micro_batches(self.num_micro_batches)
+        if not isinstance(self.auto_sharding_option, AutoShardingOption):
+            raise InvalidArgumentError(
+                f"auto_sharding_option must be an AutoShardingOption, got "
+                f"{self.auto_sharding_option!r}"
+            )
+        if isinstance(self.devices, Mesh) and len(self.devices.axis_names) > 2:
+            raise InvalidArgumentError(
+                f"ShardParallel plans for 1D or 2D meshes; got a mesh with axes "
+                f"{self.devices.axis_names}"
+            )
+
+    @property
+    def regather_params(self) -> bool:
+        """Trace for FSDP: the ILP may store parameters split, so gather them again in backward."""
+        return True
+
+
+Method = DataParallel | ShardParallel
 
 
 def resolve_devices(
@@ -89,10 +126,26 @@ def resolve_devices(
     )
 
 
-def abstract_mesh(devices: Any, num_devices: int) -> MeshPlan:
-    """The planned mesh for planning without devices: a Mesh's shape, else 1D over the cluster."""
-    if isinstance(devices, Mesh):
-        return resolve_devices(devices, ())[0]
-    if devices is not None:
-        num_devices = len(devices)
-    return MeshPlan((num_devices,), ("data",), tuple(range(num_devices)))
+def method_mesh(
+    method: Method, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
+    """The mesh a method plans for, and the devices it runs on (none when planning abstractly).
+
+    DataParallel and friends use one axis "data". ShardParallel on the whole of a multi-host
+    cluster uses the physical (hosts, devices per host) mesh with axes ("x", "y"), else one
+    axis "x". A `jax.sharding.Mesh` is used as it is.
+    """
+    if isinstance(method.devices, Mesh):
+        return resolve_devices(method.devices, ())
+    if method.devices is None and devices is None:
+        n = cluster.num_devices
+        mesh, run_on = MeshPlan((n,), ("data",), tuple(range(n))), ()
+    else:
+        mesh, run_on = resolve_devices(method.devices, devices or ())
+    if isinstance(method, ShardParallel):
+        n = mesh.num_devices
+        if cluster.num_hosts > 1 and n == cluster.num_devices:
+            mesh = MeshPlan(cluster.physical_mesh_shape, ("x", "y"), mesh.device_indices)
+        else:
+            mesh = MeshPlan((n,), ("x",), mesh.device_indices)
+    return mesh, run_on

@@ -215,7 +215,23 @@ def resharding_cost(
     src_spec: Sequence[DimSpec | str],
     dst_spec: Sequence[DimSpec | str],
 ) -> float:
-    """Seconds to change a tensor's sharding from `src_spec` to `dst_spec` (REFERENCE.md).
+    """Seconds to change a tensor's sharding from `src_spec` to `dst_spec` (REFERENCE.md)."""
+    return sum(
+        mesh.collective_cost(kind, num_bytes, axes)
+        for kind, num_bytes, axes in resharding_collectives(
+            mesh, shape, dtype_bytes, src_spec, dst_spec
+        )
+    )
+
+
+def resharding_collectives(
+    mesh: LogicalMesh,
+    shape: Sequence[int],
+    dtype_bytes: float,
+    src_spec: Sequence[DimSpec | str],
+    dst_spec: Sequence[DimSpec | str],
+) -> list[tuple[Collective, float, tuple[str, ...]]]:
+    """The collectives (kind, bytes as the formulas take them, axes) that reshard a tensor.
 
     Per dim, the axes both specs share as a prefix stay; the rest of src's are removed and the
     rest of dst's added. Then, following REFERENCE.md's resharding rules:
@@ -238,14 +254,30 @@ def resharding_cost(
         removed.update((a, dim) for a in s[keep:])
         added.update((a, dim) for a in d[keep:])
     if not removed:
-        return 0.0
+        return []
     if any(added.get(a) == dim for a, dim in removed.items()):
-        src_axes = [a for d in src if d for a in d]
-        return mesh.all_gather_cost(math.prod(shape) * dtype_bytes, src_axes)
-    moved = [a for a in removed if a in added]
-    gathered = [a for a in removed if a not in added]
+        src_axes = tuple(a for d in src if d for a in d)
+        return [(Collective.ALL_GATHER, math.prod(shape) * dtype_bytes, src_axes)]
+    moved = tuple(a for a in removed if a in added)
+    gathered = tuple(a for a in removed if a not in added)
     sliced_late = [a for a, dim in added.items() if a not in removed and dim in removed.values()]
     comm_bytes = spec_bytes_per_device(shape, dtype_bytes, dst, mesh) * math.prod(
         mesh.axis_size(a) for a in sliced_late
     )
-    return mesh.all_gather_cost(comm_bytes, gathered) + mesh.all_to_all_cost(comm_bytes, moved)
+    steps = []
+    if gathered:
+        steps.append((Collective.ALL_GATHER, comm_bytes, gathered))
+    if moved:
+        steps.append((Collective.ALL_TO_ALL, comm_bytes, moved))
+    return steps
+
+
+def result_bytes(mesh: LogicalMesh, kind: Collective, num_bytes: float, axes) -> float:
+    """Bytes of a collective's result on one device, as the compiled HLO shows it.
+
+    `num_bytes` is what the cost formulas take: the buffer for all-reduce and all-to-all, the
+    gathered size for all-gather, the input size for reduce-scatter (whose result is 1/n of it).
+    """
+    if kind is Collective.REDUCE_SCATTER:
+        return num_bytes / math.prod(mesh.axis_size(a) for a in axes)
+    return num_bytes

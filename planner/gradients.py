@@ -37,6 +37,7 @@ def _dot_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowerin
             return ReduceScatterLowering(
                 operand_specs=(_split(len(lhs.shape), lc, axes), _split(len(rhs.shape), rc, axes)),
                 output_spec=out_spec,
+                partial_axes=axes,
             )
     return None
 
@@ -46,7 +47,7 @@ def _reduce_sum_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatter
     dim = _first_divisible(node.params["axes"], operand.shape, n)
     if dim is None:
         return None
-    return ReduceScatterLowering((_split(len(operand.shape), dim, axes),), out_spec)
+    return ReduceScatterLowering((_split(len(operand.shape), dim, axes),), out_spec, axes)
 
 
 def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowering | None:
@@ -69,6 +70,7 @@ def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatte
                     _split(len(updates.shape), u, axes),
                 ),
                 output_spec=out_spec,
+                partial_axes=axes,
             )
     return None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 def replicated(ndim: int) -> Spec:
@@ -76,16 +76,23 @@ class ReduceScatterLowering:
     """Compute a node on local shards (operands split as given) and reduce-scatter the result.
 
     Used where a node sums over a split dimension (a gradient summed over the batch) and its
-    output is wanted split: the partial sums are reduce-scattered instead of all-reduced.
+    output is wanted split: the partial sums over `partial_axes` are reduce-scattered onto the
+    output dim that `output_spec` splits over them, instead of all-reduced.
     """
 
     operand_specs: tuple[Spec | None, ...]
     output_spec: Spec
+    partial_axes: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagePlan:
-    """One stage: a mesh and the shardings of the step's values on it."""
+    """One stage: a mesh and the shardings of the step's values on it.
+
+    `node_output_specs[node]` pins a node's outputs; `node_input_specs[node]` reshards operands
+    right before a node (None: leave that operand as it is); `param_use_specs[i]` pins where
+    parameter i is used.
+    """
 
     index: int
     mesh: MeshPlan
@@ -96,6 +103,9 @@ class StagePlan:
         default_factory=dict
     )
     reduce_scatter: Mapping[str, ReduceScatterLowering] = dataclasses.field(default_factory=dict)
+    node_input_specs: Mapping[str, tuple[Spec | None, ...]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,9 +191,11 @@ def _stage_from_dict(d: Mapping[str, Any]) -> StagePlan:
             k: ReduceScatterLowering(
                 operand_specs=tuple(_spec(s) for s in v["operand_specs"]),
                 output_spec=_spec(v["output_spec"]),
+                partial_axes=tuple(v["partial_axes"]),
             )
             for k, v in d["reduce_scatter"].items()
         },
+        node_input_specs={k: tuple(_spec(s) for s in v) for k, v in d["node_input_specs"].items()},
     )
 
 

@@ -138,7 +138,7 @@ def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
     found: dict[str, list[int]] = {kind: [] for kind in COLLECTIVES}
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
     for line in hlo_text.splitlines():
-        match = pattern.search(line)
+        match = pattern.search(re.sub(r"/\*.*?\*/", "", line))  # tuples carry /*index=5*/
         if match:
             found[match.group(2)].append(_shape_bytes(match.group(1)))
     return found

@@ -48,6 +48,7 @@ class ShardingRules:
     mesh: Mesh
     param_use: Mapping[int, NamedSharding]
     node_outputs: Mapping[str, tuple[NamedSharding | None, ...]]
+    node_inputs: Mapping[str, tuple[NamedSharding | None, ...]]
     reduce_scatter: Mapping[str, ReduceScatterLowering]
 
     @classmethod
@@ -61,6 +62,7 @@ class ShardingRules:
             node_outputs={
                 k: tuple(named(s) for s in v) for k, v in stage.node_output_specs.items()
             },
+            node_inputs={k: tuple(named(s) for s in v) for k, v in stage.node_input_specs.items()},
             reduce_scatter=dict(stage.reduce_scatter),
         )
 
@@ -74,8 +76,9 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 def _reduce_scatter(
     eqn: JaxprEqn, invals: Sequence[Any], lowering: ReduceScatterLowering, mesh: Mesh
 ) -> Any:
-    """Compute `eqn` on local shards, then reduce-scatter the partial sums (planner.gradients)."""
-    out_dim, axes = next((d, e) for d, e in enumerate(lowering.output_spec) if e)
+    """Compute `eqn` on local shards, then reduce-scatter the partial sums (see the lowering)."""
+    axes = lowering.partial_axes
+    out_dim = next(d for d, e in enumerate(lowering.output_spec) if e and set(axes) <= set(e))
     is_scatter = eqn.primitive.name in ("scatter-add", "scatter_add")
 
     def local(*xs):
@@ -100,6 +103,9 @@ def constrain(value: Any, sharding: NamedSharding | None) -> Any:
 
 def evaluate_eqn(path: str, eqn: JaxprEqn, invals: Sequence[Any], rules: ShardingRules) -> list:
     """Evaluate one eqn (node id `path`) with the plan's rules applied."""
+    resharded = rules.node_inputs.get(path)
+    if resharded:
+        invals = [constrain(x, s) for x, s in zip(invals, resharded, strict=True)]
     if eqn.primitive is param_use_p:
         outs = [constrain(invals[0], rules.param_use.get(eqn.params["index"]))]
     elif is_checkpoint(eqn):

@@ -1,0 +1,278 @@
+"""The intra-op ILP (Alpa §4), solved with PuLP: one strategy per group class, least step time.
+
+Variables: a one-hot binary vector per class (groups of one class share it), and per edge class a
+continuous matrix e[a, b] over (producer spec a, consumer need b) whose row sums are the
+producer's one-hot (folded by spec) and column sums the consumer's: with one-hot ends it is their
+outer product, so Σ e·cost is exactly the resharding paid, and the LP relaxation is Alpa's.
+
+Objective (microseconds): compute + blocking communication + max(0, overlappable communication −
+compute), the last through one continuous variable: communication that can be prefetched or
+deferred hides behind compute until there is more of it than compute. Hidden communication still
+costs `OVERLAP_PENALTY` of its time (it competes with compute for memory bandwidth), so of two
+plans that hide everything the one that moves less wins; and each class may carry a tie-break
+cost (e.g. bytes stored), small enough never to outweigh a real cost.
+
+Memory: for each step t, arguments + outputs + temporaries live at t must fit the budget. There
+are as many steps as nodes, so constraints are added lazily: solve, find the steps over budget
+under the solution, add those, solve again (a cutting-plane loop; it stops when the solution fits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pulp
+
+from autopar.planner.errors import PlanningError
+
+logger = logging.getLogger(__name__)
+
+_MICROSECONDS = 1e6
+_MIB = float(2**20)
+_MAX_CUT_ROUNDS = 40
+_CUTS_PER_ROUND = 4
+OVERLAP_PENALTY = 0.1
+
+
+@dataclasses.dataclass(slots=True)
+class ClassCosts:
+    """Per-choice costs (seconds) of one class, summed over its groups."""
+
+    compute: np.ndarray
+    blocking: np.ndarray
+    overlap: np.ndarray
+    tie_break: np.ndarray
+
+
+@dataclasses.dataclass(slots=True)
+class EdgeClass:
+    """Resharding between two classes: choice → row/column maps and summed cost matrices."""
+
+    producer: int
+    consumer: int
+    row_of: np.ndarray
+    col_of: np.ndarray
+    blocking: np.ndarray
+    overlap: np.ndarray
+
+
+@dataclasses.dataclass(slots=True)
+class Equality:
+    """Alias: class `a` choosing a choice with key κ ⇔ class `b` choosing one with key κ."""
+
+    a: int
+    keys_a: Sequence
+    b: int
+    keys_b: Sequence
+
+
+@dataclasses.dataclass(slots=True)
+class MemoryModel:
+    """Memory per step as a function of the choices: see `planner.intra` for how it is built."""
+
+    evaluate: Callable[[np.ndarray], np.ndarray]  # choice per class -> bytes per step
+    coefficients: Callable[[int], tuple[dict[int, np.ndarray], float]]  # step -> per class, const
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Solution:
+    choices: np.ndarray  # per class
+    optimal: bool
+    seconds: float
+    rounds: int
+
+
+class IntraOpIlp:
+    """Build and solve the ILP for classes with `num_choices[c]` choices each."""
+
+    def __init__(
+        self,
+        num_choices: Sequence[int],
+        costs: Sequence[ClassCosts],
+        edges: Sequence[EdgeClass],
+        equalities: Sequence[Equality],
+        memory: MemoryModel,
+        *,
+        solver: str = "cbc",
+        time_limit_s: float = 60.0,
+    ) -> None:
+        self.num_choices = list(num_choices)
+        self.costs = costs
+        self.edges = edges
+        self.equalities = equalities
+        self.memory = memory
+        self.solver = solver
+        self.time_limit_s = time_limit_s
+
+    # ------------------------------------------------------------------ model
+
+    def _base_problem(self, name: str) -> tuple[pulp.LpProblem, list[list[pulp.LpVariable]]]:
+        prob = pulp.LpProblem(name, pulp.LpMinimize)
+        s = [
+            [pulp.LpVariable(f"s_{c}_{k}", cat=pulp.LpBinary) for k in range(n)]
+            for c, n in enumerate(self.num_choices)
+        ]
+        for c, vs in enumerate(s):
+            prob += pulp.lpSum(vs) == 1, f"one_{c}"
+        for i, eq in enumerate(self.equalities):
+            for m, key in enumerate(sorted(set(eq.keys_a) | set(eq.keys_b), key=repr)):
+                lhs = [s[eq.a][k] for k, x in enumerate(eq.keys_a) if x == key]
+                rhs = [s[eq.b][k] for k, x in enumerate(eq.keys_b) if x == key]
+                prob += pulp.lpSum(lhs) - pulp.lpSum(rhs) == 0, f"alias_{i}_{m}"
+        return prob, s
+
+    def _edge_terms(self, prob, s) -> tuple[list, list]:
+        """Edge variables with their transport constraints; (blocking, overlap) objective terms."""
+        blocking, overlap = [], []
+        for i, edge in enumerate(self.edges):
+            rows, cols = edge.blocking.shape
+            e = [
+                [pulp.LpVariable(f"e_{i}_{a}_{b}", lowBound=0) for b in range(cols)]
+                for a in range(rows)
+            ]
+            for a in range(rows):
+                ks = np.flatnonzero(edge.row_of == a)
+                prob += (
+                    pulp.lpSum(e[a]) - pulp.lpSum(s[edge.producer][k] for k in ks) == 0,
+                    f"row_{i}_{a}",
+                )
+            for b in range(cols):
+                ks = np.flatnonzero(edge.col_of == b)
+                prob += (
+                    pulp.lpSum(e[a][b] for a in range(rows))
+                    - pulp.lpSum(s[edge.consumer][k] for k in ks)
+                    == 0,
+                    f"col_{i}_{b}",
+                )
+            for a in range(rows):
+                for b in range(cols):
+                    if edge.blocking[a, b]:
+                        blocking.append((e[a][b], edge.blocking[a, b] * _MICROSECONDS))
+                    if edge.overlap[a, b]:
+                        overlap.append((e[a][b], edge.overlap[a, b] * _MICROSECONDS))
+                        blocking.append(
+                            (e[a][b], OVERLAP_PENALTY * edge.overlap[a, b] * _MICROSECONDS)
+                        )
+        return blocking, overlap
+
+    def _time_problem(self) -> tuple[pulp.LpProblem, list]:
+        prob, s = self._base_problem("autopar_step_time")
+        blocking, overlap = self._edge_terms(prob, s)
+        compute = []
+        for c, cost in enumerate(self.costs):
+            for k, var in enumerate(s[c]):
+                direct = (
+                    cost.compute[k]
+                    + cost.blocking[k]
+                    + OVERLAP_PENALTY * cost.overlap[k]
+                    + cost.tie_break[k]
+                )
+                if direct:
+                    blocking.append((var, direct * _MICROSECONDS))
+                if cost.compute[k]:
+                    compute.append((var, cost.compute[k] * _MICROSECONDS))
+                if cost.overlap[k]:
+                    overlap.append((var, cost.overlap[k] * _MICROSECONDS))
+        exposed = pulp.LpVariable("exposed_overlappable", lowBound=0)
+        prob += pulp.LpAffineExpression(blocking) + exposed
+        prob += (
+            exposed - pulp.LpAffineExpression(overlap) + pulp.LpAffineExpression(compute) >= 0,
+            "exposed",
+        )
+        return prob, s
+
+    def _add_memory_cut(self, prob, s, step: int, bound) -> None:
+        per_class, const = self.memory.coefficients(step)
+        terms = [
+            (s[c][k], coef[k] / _MIB)
+            for c, coef in sorted(per_class.items())
+            for k in range(len(coef))
+            if coef[k]
+        ]
+        prob += pulp.LpAffineExpression(terms) + const / _MIB <= bound, f"mem_{step}"
+
+    # ------------------------------------------------------------------ solving
+
+    def _solve(self, prob: pulp.LpProblem, s) -> tuple[np.ndarray, bool] | None:
+        if self.solver == "highs":
+            solver = pulp.HiGHS(msg=False, timeLimit=self.time_limit_s)
+        else:
+            with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
+                warnings.simplefilter("ignore", DeprecationWarning)
+                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.time_limit_s)
+        prob.solve(solver)
+        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return None
+        choices = np.array([int(np.argmax([v.varValue or 0.0 for v in vs])) for vs in s])
+        return choices, prob.sol_status == pulp.LpSolutionOptimal
+
+    def _cut_loop(self, prob, s, fits: Callable[[np.ndarray, np.ndarray], bool], bound):
+        """Solve, adding memory cuts at the worst steps until `fits`; None if infeasible."""
+        cut: set[int] = set()
+        optimal = True
+        for rounds in range(1, _MAX_CUT_ROUNDS + 1):
+            result = self._solve(prob, s)
+            if result is None:
+                return None
+            choices, opt = result
+            optimal = optimal and opt
+            per_step = self.memory.evaluate(choices)
+            if fits(choices, per_step):
+                return choices, optimal, rounds
+            worst = [int(t) for t in np.argsort(-per_step, kind="stable") if int(t) not in cut]
+            for step in worst[:_CUTS_PER_ROUND]:
+                cut.add(step)
+                self._add_memory_cut(prob, s, step, bound)
+        raise PlanningError(
+            f"the memory constraints did not converge in {_MAX_CUT_ROUNDS} rounds; raise "
+            "AutoShardingOption.memory_budget_per_device or report this model"
+        )
+
+    def solve(self, budget_bytes: float) -> Solution:
+        """The least-time choices whose memory fits `budget_bytes` per device."""
+        start = time.perf_counter()
+        prob, s = self._time_problem()
+        result = self._cut_loop(
+            prob, s, lambda _, per_step: per_step.max() <= budget_bytes, budget_bytes / _MIB
+        )
+        if result is None:
+            least = self.least_memory()
+            raise PlanningError(
+                f"no sharding plan fits the memory budget of {_format_bytes(budget_bytes)} per "
+                f"device; the least memory per device that would fit is about "
+                f"{_format_bytes(least)} (set AutoShardingOption(memory_budget_per_device=...) "
+                "or use more devices)"
+            )
+        choices, optimal, rounds = result
+        if not optimal:
+            logger.warning(
+                "the sharding ILP hit its time limit (%.0f s); using the best plan found, which "
+                "may not be optimal (raise AutoShardingOption.time_limit_s)",
+                self.time_limit_s,
+            )
+        return Solution(choices, optimal, time.perf_counter() - start, rounds)
+
+    def least_memory(self) -> float:
+        """The least peak memory per device over all choices (bytes), ignoring step time."""
+        prob, s = self._base_problem("autopar_least_memory")
+        peak = pulp.LpVariable("peak_mib", lowBound=0)
+        prob += peak
+        result = self._cut_loop(
+            prob, s, lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6, peak
+        )
+        if result is None:
+            raise PlanningError("the sharding ILP has no solution even without a memory budget")
+        return float(self.memory.evaluate(result[0]).max())
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,441 @@
+"""ShardParallel's planner: an intra-op sharding for every op of one stage, chosen by an ILP.
+
+Pipeline: group followers with their leaders (`groups`), find repeated layers (classes), list each
+group's strategies and costs and each edge's resharding (`menus`), solve the ILP with a memory
+budget (`ilp`), and write the result as a `StagePlan`: how every input is stored, the spec of every
+node's outputs, the operands to reshard before a node, and the nodes whose partial sums are
+reduce-scattered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.cost import LogicalMesh, logical_mesh
+from autopar.planner.explicit import param_inputs, split_spec
+from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
+from autopar.planner.groups import Grouping, Value, assign_classes, group_graph, input_value
+from autopar.planner.ilp import (
+    OVERLAP_PENALTY,
+    ClassCosts,
+    EdgeClass,
+    Equality,
+    IntraOpIlp,
+    MemoryModel,
+)
+from autopar.planner.memory import Liveness, liveness, value_aval
+from autopar.planner.menus import Costs, Edge, MenuBuilder
+from autopar.planner.plan import (
+    MeshPlan,
+    Plan,
+    Predicted,
+    ReduceScatterLowering,
+    Spec,
+    StagePlan,
+    replicated,
+)
+from autopar.planner.program import Program
+from autopar.planner.strategy import storage_specs
+
+logger = logging.getLogger(__name__)
+
+# Nodes whose partial sums the runtime can reduce-scatter (runtime.interpreter._reduce_scatter).
+REDUCE_SCATTER_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add")
+# Storing a byte costs this fraction of moving it: breaks ties towards less memory.
+_STORAGE_TIE_BREAK = 1e-3
+_GRADIENT_PASS_THROUGH = ("convert_element_type", "copy", "transpose", "reshape", "add_any")
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraOpConfig:
+    """What the ILP may choose (from `AutoShardingOption`), as plain planner arguments."""
+
+    memory_budget_per_device: float | None = None
+    force_data_parallel: bool = False
+    force_zero_stage_3: bool = False
+    prefer_reduce_scatter: bool = False
+    solver: str = "cbc"
+    time_limit_s: float = 60.0
+    reuse_repeated_layers: bool = True
+    pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
+
+
+def _grad_part(graph: OpGraph) -> set[str]:
+    """Nodes the gradient boundary depends on: they run once per micro-batch."""
+    found: set[str] = set()
+    stack = [r for b in nodes_by_primitive(graph, GRAD_BOUNDARY) for r in b.inputs]
+    while stack:
+        ref = stack.pop()
+        if ref.kind is ValueKind.NODE and ref.node not in found:
+            found.add(ref.node)
+            stack.extend(graph.node(ref.node).inputs)
+    return found
+
+
+def _gradient_sums(graph: OpGraph) -> set[str]:
+    """Nodes that sum gradients (and the layout ops after them): only the update waits for them."""
+    found: set[str] = set()
+    for boundary in nodes_by_primitive(graph, GRAD_BOUNDARY):
+        grads = zip(boundary.inputs, boundary.params["grad_of"], strict=True)
+        stack = [r for r, of in grads if of >= 0]
+        while stack:
+            ref = stack.pop()
+            if ref.kind is not ValueKind.NODE or ref.node in found:
+                continue
+            node = graph.node(ref.node)
+            found.add(node.id)
+            if node.primitive in _GRADIENT_PASS_THROUGH:
+                stack.extend(node.inputs)
+    return found
+
+
+class _InputMenus:
+    """Storage specs each step input may take, restricted by the config's force options."""
+
+    def __init__(self, program: Program, mesh: LogicalMesh, config: IntraOpConfig) -> None:
+        self.sig = program.signature
+        self.mesh = mesh
+        self.config = config
+        self.params = set(param_inputs(program.graph).values())
+        self.all_axes = tuple(mesh.axis_names)
+        self.n = mesh.num_devices
+        self.pinned = dict(config.pinned_inputs)
+
+    def penalised(self, i: int, spec: Spec) -> bool:
+        """prefer_reduce_scatter: optimizer state stored whole costs as if it were gathered."""
+        return self.config.prefer_reduce_scatter and self.role(i) == "state" and not any(spec)
+
+    def role(self, i: int) -> str:
+        if i in self.sig.batch_inputs:
+            return "batch"
+        return "param" if i in self.params else "state"
+
+    def __call__(self, i: int) -> list[Spec]:
+        shape = self.sig.input_avals[i].shape
+        if self.sig.input_paths[i] in self.pinned:
+            return [self.pinned[self.sig.input_paths[i]]]
+        specs = storage_specs(shape, self.mesh)
+        forced = self.config.force_data_parallel or self.config.force_zero_stage_3
+        if not forced:
+            return specs
+        if self.role(i) == "batch":
+            spec = (self.all_axes,) + replicated(len(shape) - 1)
+            return [spec] if shape and shape[0] % self.n == 0 else [replicated(len(shape))]
+        if self.config.force_zero_stage_3:
+            return [split_spec(shape, self.all_axes, self.n)]
+        return [replicated(len(shape))]
+
+
+@dataclasses.dataclass
+class _Problem:
+    """Everything the ILP and the emission need, indexed by group."""
+
+    grouping: Grouping
+    builder: MenuBuilder
+    group_costs: list[Costs]
+    edges: list[Edge]
+    live: Liveness
+    num_classes: int
+    inputs: _InputMenus
+
+
+def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k: int) -> _Problem:
+    graph = program.graph
+    grouping = group_graph(graph)
+    inputs = _InputMenus(program, mesh, config)
+    roles = {i: inputs.role(i) for i in range(len(graph.inputs))}
+    if config.reuse_repeated_layers:
+        num_classes = assign_classes(grouping, roles)
+    else:
+        for group in grouping.groups:
+            group.cls = group.index
+        num_classes = len(grouping.groups)
+    weights = dict.fromkeys(_grad_part(graph), float(k)) if k > 1 else {}
+    builder = MenuBuilder(grouping, mesh, cluster, weights, _gradient_sums(graph), inputs)
+    group_costs = [builder.group_costs(g) for g in grouping.groups]
+    edges = builder.edges()
+    live = liveness(grouping, program.signature)
+    return _Problem(grouping, builder, group_costs, edges, live, num_classes, inputs)
+
+
+def _value_bytes(problem: _Problem, value: Value) -> tuple[int, tuple, np.ndarray]:
+    """(group, local value, per-choice bytes per device) of a value."""
+    grouping, builder = problem.grouping, problem.builder
+    group = grouping.groups[grouping.group_of_value(value)]
+    lv = builder.local_value(group, value)
+    aval = value_aval(grouping, value)
+    menu = builder.menu(group)
+    sizes = np.array(
+        [
+            builder.spec_bytes(aval.shape, aval.dtype.itemsize, specs[lv])
+            for specs in menu.value_specs
+        ]
+    )
+    return group.index, lv, sizes
+
+
+class _Memory:
+    """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`."""
+
+    def __init__(self, problem: _Problem) -> None:
+        self.problem = problem
+        groups = problem.grouping.groups
+        self.cls = np.array([g.cls for g in groups])
+        inputs = [_value_bytes(problem, input_value(g.leader)) for g in groups if g.is_input]
+        self.input_sizes = {g: sizes for g, _, sizes in inputs}
+        self.always = inputs + [_value_bytes(problem, v) for v in problem.live.outputs]
+        self.temps = [
+            (*_value_bytes(problem, value), start, end)
+            for value, start, end in problem.live.temporaries
+        ]
+
+    def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
+        steps = self.problem.live.num_steps
+        diff = np.zeros(steps + 1)
+        for g, _, sizes, start, end in self.temps:
+            b = sizes[group_choice[g]]
+            diff[start] += b
+            diff[end + 1] -= b
+        base = sum(sizes[group_choice[g]] for g, _, sizes in self.always)
+        return base + np.cumsum(diff)[:steps] if steps else np.array([base])
+
+    def evaluate(self, class_choice: np.ndarray) -> np.ndarray:
+        return self.evaluate_groups(class_choice[self.cls])
+
+    def coefficients(self, step: int) -> tuple[dict[int, np.ndarray], float]:
+        per_class: dict[int, np.ndarray] = {}
+        for g, _, sizes in self.always:
+            c = self.cls[g]
+            per_class[c] = per_class.get(c, 0) + sizes
+        for g, _, sizes, start, end in self.temps:
+            if start <= step <= end:
+                c = self.cls[g]
+                per_class[c] = per_class.get(c, 0) + sizes
+        return per_class, 0.0
+
+
+def _class_inputs(
+    problem: _Problem, memory_sizes: dict[int, np.ndarray], bandwidth: float
+) -> tuple[list[int], list[ClassCosts], list[EdgeClass]]:
+    """Per-class costs and edges: groups of one class summed (they share variables)."""
+    groups = problem.grouping.groups
+    num_choices = [0] * problem.num_classes
+    costs: list[ClassCosts | None] = [None] * problem.num_classes
+    for g, group_cost in zip(groups, problem.group_costs, strict=True):
+        n = len(group_cost.compute)
+        if costs[g.cls] is None:
+            num_choices[g.cls] = n
+            costs[g.cls] = ClassCosts(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
+        c = costs[g.cls]
+        c.compute += group_cost.compute
+        c.blocking += group_cost.blocking
+        c.overlap += group_cost.overlap
+        if g.is_input:  # prefer storing less, where it costs nothing else
+            sizes = memory_sizes[g.index]
+            c.tie_break += _STORAGE_TIE_BREAK * sizes / bandwidth
+            specs = problem.builder.menu(g).value_specs
+            c.tie_break += [
+                sizes[k] / bandwidth if problem.inputs.penalised(g.leader, spec[(-1, 0)]) else 0.0
+                for k, spec in enumerate(specs)
+            ]
+    merged: dict[tuple, EdgeClass] = {}
+    for edge in problem.edges:
+        h, g = groups[edge.producer].cls, groups[edge.consumer].cls
+        key = (
+            h,
+            g,
+            edge.producer_choice.tobytes(),
+            edge.consumer_choice.tobytes(),
+            edge.costs.blocking.shape,
+        )
+        found = merged.get(key)
+        if found is None:
+            merged[key] = EdgeClass(
+                h,
+                g,
+                edge.producer_choice,
+                edge.consumer_choice,
+                edge.costs.blocking.copy(),
+                edge.costs.overlap.copy(),
+            )
+        else:
+            found.blocking += edge.costs.blocking
+            found.overlap += edge.costs.overlap
+    return num_choices, costs, list(merged.values())
+
+
+def _alias_equalities(program: Program, problem: _Problem) -> list[Equality]:
+    """Each output that is the new value of an input is stored like that input."""
+    grouping, builder = problem.grouping, problem.builder
+    found = []
+    for j, i in enumerate(program.signature.output_to_input):
+        if i is None:
+            continue
+        value = grouping.value_of(grouping.graph.outputs[j])
+        if value is None or value == input_value(i):
+            continue
+        out_group = grouping.groups[grouping.group_of_value(value)]
+        in_group = grouping.groups[grouping.input_group[i]]
+        if out_group.cls == in_group.cls:
+            continue
+        lv = builder.local_value(out_group, value)
+        found.append(
+            Equality(
+                out_group.cls,
+                [specs[lv] for specs in builder.menu(out_group).value_specs],
+                in_group.cls,
+                [specs[(-1, 0)] for specs in builder.menu(in_group).value_specs],
+            )
+        )
+    return found
+
+
+def plan_shard_parallel(
+    program: Program,
+    mesh_plan: MeshPlan,
+    cluster: ClusterSpec,
+    config: IntraOpConfig,
+    num_micro_batches: int,
+) -> Plan:
+    """The ILP plan of `program` on `mesh_plan` (1D or 2D) for `cluster`'s costs."""
+    start = time.perf_counter()
+    mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
+    problem = _build(program, mesh, cluster, config, num_micro_batches)
+    memory = _Memory(problem)
+    num_choices, costs, edges = _class_inputs(problem, memory.input_sizes, max(mesh.bandwidths))
+    ilp = IntraOpIlp(
+        num_choices,
+        costs,
+        edges,
+        _alias_equalities(program, problem),
+        MemoryModel(memory.evaluate, memory.coefficients),
+        solver=config.solver,
+        time_limit_s=config.time_limit_s,
+    )
+    budget = config.memory_budget_per_device or cluster.device_memory
+    solution = ilp.solve(budget)
+    choice = solution.choices[memory.cls]
+    stage, predicted = _emit(program, problem, mesh_plan, memory, choice)
+    elapsed = time.perf_counter() - start
+    logger.info(
+        "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s (%d rounds)",
+        len(program.graph),
+        len(problem.grouping.groups),
+        problem.num_classes,
+        len(edges),
+        solution.seconds,
+        solution.rounds,
+    )
+    note = (
+        f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
+        f"{'optimal' if solution.optimal else 'time limit hit, best found'}, planned in "
+        f"{elapsed:.2f} s"
+    )
+    sig = program.signature
+    return Plan(
+        method="shard_parallel",
+        num_micro_batches=num_micro_batches,
+        stages=(stage,),
+        predicted=predicted,
+        cluster=cluster.to_dict(),
+        input_paths=sig.input_paths,
+        output_paths=sig.output_paths,
+        donated_inputs=sig.donated_inputs,
+        fingerprint=program.fingerprint,
+        notes=(note,),
+    )
+
+
+def _emit(
+    program: Program, problem: _Problem, mesh_plan: MeshPlan, memory: _Memory, choice: np.ndarray
+) -> tuple[StagePlan, Predicted]:
+    grouping, builder = problem.grouping, problem.builder
+    graph = grouping.graph
+
+    def spec_of(value: Value) -> Spec:
+        group = grouping.groups[grouping.group_of_value(value)]
+        return builder.menu(group).value_specs[choice[group.index]][
+            builder.local_value(group, value)
+        ]
+
+    node_outputs: dict[str, tuple[Spec | None, ...]] = {}
+    node_inputs: dict[str, tuple[Spec | None, ...]] = {}
+    reduce_scatter: dict[str, ReduceScatterLowering] = {}
+    # The prediction replays the plan: XLA reshards a value to a spec once for all its readers.
+    totals = Costs.zeros(())
+    resharded: set[tuple] = set()
+    reshard_temps = np.zeros(problem.live.num_steps + 1)  # differences: + at start, - after end
+    aliases = {n.id for n in nodes_by_primitive(graph, PARAM_USE)}
+    for node in graph.nodes:
+        if node.id not in grouping.group_of_node:  # transparent: outputs are its operands
+            node_outputs[node.id] = tuple(
+                None if (v := grouping.value_of(r)) is None else spec_of(v) for r in node.inputs
+            )
+            continue
+        group = grouping.groups[grouping.group_of_node[node.id]]
+        s = builder.menu(group).strategies[choice[group.index]][group.members.index(node.id)]
+        weight = builder.weights.get(node.id, 1.0)
+        builder.add_node_cost(totals, (), node, s, weight, node.id in builder.overlappable_nodes)
+        node_outputs[node.id] = s.out_specs
+        needs: list[Spec | None] = []
+        for pos, ref in enumerate(node.inputs):
+            value = grouping.value_of(ref)
+            need = s.in_specs[pos]
+            have = None if value is None else spec_of(value)
+            if value is None or need is None or need == have:
+                needs.append(None)
+                continue
+            needs.append(need)
+            aval = node.in_avals[pos]
+            if (value, need) not in resharded:
+                resharded.add((value, need))
+                seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
+                from_input = grouping.groups[grouping.group_of_value(value)].is_input
+                totals.add_comm((), weight * seconds, weight * nbytes, from_input)
+            # The resharded copy lives until the node runs; a parameter gathered at its use
+            # (an alias of it) lives until that use's last reader.
+            start = problem.live.step_of_node[node.id]
+            end = problem.live.last_use.get((node.id, 0), start) if node.id in aliases else start
+            size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
+            reshard_temps[start] += size
+            reshard_temps[end + 1] -= size
+        if any(n is not None for n in needs):
+            node_inputs[node.id] = tuple(needs)
+        if s.reduce_scatters and node.primitive in REDUCE_SCATTER_PRIMITIVES:
+            reduce_scatter[node.id] = ReduceScatterLowering(
+                operand_specs=tuple(
+                    spec if spec is not None else replicated(len(a.shape))
+                    for spec, a in zip(s.in_specs, node.in_avals, strict=True)
+                ),
+                output_spec=s.out_specs[0],
+                partial_axes=s.partial_axes,
+            )
+    sig = program.signature
+    stage = StagePlan(
+        index=0,
+        mesh=mesh_plan,
+        input_specs=tuple(spec_of(input_value(i)) for i in range(len(sig.input_avals))),
+        output_specs=tuple(
+            spec_of(v) if (v := grouping.value_of(r)) is not None else replicated(len(a.shape))
+            for r, a in zip(graph.outputs, sig.output_avals, strict=True)
+        ),
+        node_output_specs=node_outputs,
+        node_input_specs=node_inputs,
+        reduce_scatter=reduce_scatter,
+    )
+    compute, blocking, overlap, comm_bytes = totals.at(())
+    per_step = memory.evaluate_groups(choice) + np.cumsum(reshard_temps)[: problem.live.num_steps]
+    predicted = Predicted(
+        step_time_s=compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute),
+        compute_s=compute,
+        communication_s=blocking + overlap,
+        memory_per_device_bytes=float(per_step.max()) if len(per_step) else 0.0,
+        communication_bytes=comm_bytes,
+    )
+    return stage, predicted

@@ -1,0 +1,303 @@
+"""What the ILP chooses from: each group's strategies with their costs, and each edge's resharding.
+
+A group's strategy k is its leader's strategy k with every follower keeping what it follows (or
+replicating, where it cannot). For each k the menu knows every member's `Strategy` and the spec
+of every value the group produces. Costs are in seconds, per device, weighted by how often a node
+runs per step (gradient accumulation runs the gradient part once per micro-batch):
+
+* compute: FLOPs / (devices sharing the work) / device FLOP/s: replicated heavy ops cost n×;
+* blocking communication: a node's own all-reduce/reduce-scatter and the resharding it needs;
+* overlappable communication: gathers of step inputs (parameters stored split, FSDP), which can be
+  issued ahead of use (prefetch), and the summing of gradients, which only the optimizer update
+  waits for. The objective hides it behind compute (see `planner.ilp`).
+
+Groups of one class (repeated layers) share a menu, computed once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.cost import Collective, LogicalMesh, resharding_collectives, result_bytes
+from autopar.planner.graph import OpNode
+from autopar.planner.groups import Group, Grouping, Value
+from autopar.planner.leader_rules import source_strategies
+from autopar.planner.plan import Spec
+from autopar.planner.strategy import (
+    FOLLOW_RULES,
+    LEADER_RULES,
+    Strategy,
+    replicated_strategy,
+    split_size,
+)
+
+logger = logging.getLogger(__name__)
+
+LocalValue = tuple[int, int]
+"""A value of a group: (member index, output index); member -1 is an input group's input."""
+
+
+@dataclasses.dataclass(slots=True)
+class Menu:
+    """The strategies of one group class: per choice k, each member's strategy and value specs."""
+
+    strategies: list[tuple[Strategy, ...]]
+    value_specs: list[dict[LocalValue, Spec]]
+
+    def __len__(self) -> int:
+        return len(self.value_specs)
+
+
+@dataclasses.dataclass(slots=True)
+class Costs:
+    """Per-choice cost vectors (seconds) and per-device collective result bytes."""
+
+    compute: np.ndarray
+    blocking: np.ndarray
+    overlap: np.ndarray
+    comm_bytes: np.ndarray
+
+    @classmethod
+    def zeros(cls, shape) -> Costs:
+        return cls(*(np.zeros(shape) for _ in range(4)))
+
+    def at(self, where) -> tuple[float, float, float, float]:
+        """(compute, blocking, overlap, comm bytes) of one choice (or one matrix cell)."""
+        return tuple(
+            float(m[where]) for m in (self.compute, self.blocking, self.overlap, self.comm_bytes)
+        )
+
+    def add_comm(self, where, seconds: float, nbytes: float, overlappable: bool) -> None:
+        (self.overlap if overlappable else self.blocking)[where] += seconds
+        self.comm_bytes[where] += nbytes
+
+
+@dataclasses.dataclass(slots=True)
+class Edge:
+    """Values of one group read by another: resharding cost per (producer spec, consumer need)."""
+
+    producer: int  # group index
+    consumer: int
+    producer_choice: np.ndarray  # producer's choice k -> row a
+    consumer_choice: np.ndarray  # consumer's choice k -> column b
+    costs: Costs  # matrices [a, b]
+    readers: tuple[tuple[Value, int, int, float], ...]  # (value, member, operand, weight)
+
+
+class MenuBuilder:
+    """Builds menus, costs and edges for a grouping on a mesh, caching by class."""
+
+    def __init__(
+        self,
+        grouping: Grouping,
+        mesh: LogicalMesh,
+        cluster: ClusterSpec,
+        weights: dict[str, float],
+        overlappable_nodes: set[str],
+        input_specs: Callable[[int], list[Spec]],
+    ) -> None:
+        self.grouping = grouping
+        self.mesh = mesh
+        self.cluster = cluster
+        self.weights = weights
+        self.overlappable_nodes = overlappable_nodes
+        self.input_specs = input_specs
+        self._menus: dict[int, Menu] = {}
+        self._reshard_cache: dict[tuple, tuple[float, float]] = {}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ menus
+
+    def menu(self, group: Group) -> Menu:
+        if group.cls not in self._menus:
+            self._menus[group.cls] = self._build_menu(group)
+        return self._menus[group.cls]
+
+    def local_value(self, group: Group, value: Value) -> LocalValue:
+        node, o = value
+        return (-1, 0) if node is None else (self._local_index(group)[node], o)
+
+    def _local_index(self, group: Group) -> dict[str, int]:
+        return {m: j for j, m in enumerate(group.members)}
+
+    def _leader_strategies(self, node: OpNode) -> list[Strategy]:
+        if node.primitive in LEADER_RULES:
+            return LEADER_RULES[node.primitive](node, self.mesh)
+        if all(self.grouping.value_of(r) is None for r in node.inputs):
+            return source_strategies(node, self.mesh)
+        if node.primitive not in FOLLOW_RULES and node.primitive not in self._warned:
+            self._warned.add(node.primitive)
+            logger.warning(
+                "no sharding rules for primitive %r; it runs replicated (correct, possibly slow)",
+                node.primitive,
+            )
+        return [replicated_strategy(node)]
+
+    def _build_menu(self, group: Group) -> Menu:
+        graph = self.grouping.graph
+        local = self._local_index(group)
+        if group.is_input:
+            heads = [(None, {(-1, 0): spec}) for spec in self.input_specs(group.leader)]
+        else:
+            leader = graph.node(group.leader)
+            heads = [
+                (s, {(0, o): spec for o, spec in enumerate(s.out_specs)})
+                for s in self._leader_strategies(leader)
+            ]
+        strategies, value_specs = [], []
+        for head, specs in heads:
+            chosen = [head] if head is not None else []
+            specs = dict(specs)
+            for j in range(len(chosen), len(group.members)):
+                node = graph.node(group.members[j])
+                pos = group.follows[node.id]
+                have = specs[self._local(group, local, node.inputs[pos])]
+                s = FOLLOW_RULES[node.primitive](node, pos, have, self.mesh)
+                if s is None:
+                    s = replicated_strategy(node)
+                chosen.append(s)
+                specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
+            strategies.append(tuple(chosen))
+            value_specs.append(specs)
+        return Menu(strategies, value_specs)
+
+    def _local(self, group: Group, local: dict[str, int], ref) -> LocalValue:
+        node, o = self.grouping.value_of(ref)
+        return (-1, 0) if node is None else (local[node], o)
+
+    # ------------------------------------------------------------------ costs
+
+    def reshard(self, shape, itemsize: int, src: Spec, dst: Spec) -> tuple[float, float]:
+        """(seconds, result bytes per device) to move a tensor from `src` to `dst`."""
+        key = (shape, itemsize, src, dst)
+        found = self._reshard_cache.get(key)
+        if found is None:
+            seconds = nbytes = 0.0
+            for kind, b, axes in resharding_collectives(self.mesh, shape, itemsize, src, dst):
+                seconds += self.mesh.collective_cost(kind, b, axes)
+                nbytes += result_bytes(self.mesh, kind, b, axes)
+            found = self._reshard_cache[key] = (seconds, nbytes)
+        return found
+
+    def spec_bytes(self, shape, itemsize: int, spec: Spec) -> float:
+        tiles = math.prod(split_size(self.mesh, e) for e in spec if e)
+        return math.prod(shape) * itemsize / tiles
+
+    def group_costs(self, group: Group) -> Costs:
+        """Compute, own communication and internal resharding of each choice of `group`."""
+        menu = self.menu(group)
+        costs = Costs.zeros(len(menu))
+        if group.is_input:
+            return costs
+        graph = self.grouping.graph
+        local = self._local_index(group)
+        for j, member in enumerate(group.members):
+            node = graph.node(member)
+            weight = self.weights.get(member, 1.0)
+            overlappable = member in self.overlappable_nodes
+            internal = [
+                (pos, self._local(group, local, ref))
+                for pos, ref in enumerate(node.inputs)
+                if self.grouping.value_of(ref) is not None
+                and self.grouping.group_of_value(self.grouping.value_of(ref)) == group.index
+            ]
+            for k in range(len(menu)):
+                s = menu.strategies[k][j]
+                self.add_node_cost(costs, k, node, s, weight, overlappable)
+                for pos, lv in internal:
+                    need = s.in_specs[pos]
+                    have = menu.value_specs[k][lv]
+                    if need is not None and need != have:
+                        aval = node.in_avals[pos]
+                        seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
+                        costs.add_comm(k, weight * seconds, weight * nbytes, False)
+        return costs
+
+    def add_node_cost(
+        self, costs: Costs, where, node: OpNode, s: Strategy, weight: float, overlappable: bool
+    ) -> None:
+        """A node's compute and its own all-reduce/reduce-scatter under strategy `s`."""
+        tiles = math.prod(self.mesh.axis_size(a) for a in s.mesh_axes())
+        costs.compute[where] += weight * node.flops / tiles / self.cluster.device_flops
+        if s.partial_axes:
+            seconds, nbytes = self._partial_sum_cost(node, s)
+            costs.add_comm(where, weight * seconds, weight * nbytes, overlappable)
+
+    def _partial_sum_cost(self, node: OpNode, s: Strategy) -> tuple[float, float]:
+        out = node.out_avals[0]
+        nbytes = self.spec_bytes(out.shape, out.dtype.itemsize, s.out_specs[0])
+        if s.reduce_scatters:
+            n = split_size(self.mesh, s.partial_axes)
+            cost = self.mesh.collective_cost(Collective.REDUCE_SCATTER, nbytes * n, s.partial_axes)
+        else:
+            cost = self.mesh.collective_cost(Collective.ALL_REDUCE, nbytes, s.partial_axes)
+        return cost, nbytes
+
+    # ------------------------------------------------------------------ edges
+
+    def edges(self) -> list[Edge]:
+        """One edge per (producer group, value, consumer group) with a resharding choice."""
+        grouping = self.grouping
+        graph = grouping.graph
+        readers: dict[tuple[int, Value, int], list[tuple[Value, int, int, float]]] = {}
+        for group in grouping.groups:
+            for j, member in enumerate(group.members):
+                node = graph.node(member)
+                for pos, ref in enumerate(node.inputs):
+                    value = grouping.value_of(ref)
+                    if value is None:
+                        continue
+                    producer = grouping.group_of_value(value)
+                    if producer != group.index:
+                        key = (producer, value, group.index)
+                        weight = self.weights.get(member, 1.0)
+                        readers.setdefault(key, []).append((value, j, pos, weight))
+        edges = []
+        for (producer, value, consumer), reads in readers.items():
+            edge = self._edge(producer, value, consumer, tuple(reads))
+            if edge is not None:
+                edges.append(edge)
+        return edges
+
+    def _edge(self, producer: int, value: Value, consumer: int, reads) -> Edge | None:
+        groups = self.grouping.groups
+        h, g = groups[producer], groups[consumer]
+        h_menu, g_menu = self.menu(h), self.menu(g)
+        lv = self.local_value(h, value)
+        have_specs = [specs[lv] for specs in h_menu.value_specs]
+        need_specs = [
+            tuple(g_menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
+            for k in range(len(g_menu))
+        ]
+        rows, row_of = _index(have_specs)
+        cols, col_of = _index(need_specs)
+        node, o = value
+        aval = (
+            self.grouping.graph.inputs[o]
+            if node is None
+            else self.grouping.graph.node(node).out_avals[o]
+        )
+        costs = Costs.zeros((len(rows), len(cols)))
+        overlappable = h.is_input
+        for a, have in enumerate(rows):
+            for b, needs in enumerate(cols):
+                for need, (_, _, _, weight) in zip(needs, reads, strict=True):
+                    if need is not None and need != have:
+                        seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
+                        costs.add_comm((a, b), weight * seconds, weight * nbytes, overlappable)
+        if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
+            return None
+        return Edge(producer, consumer, row_of, col_of, costs, reads)
+
+
+def _index(items: list) -> tuple[list, np.ndarray]:
+    """Distinct items in first-seen order, and each item's position among them."""
+    position: dict = {}
+    of = np.array([position.setdefault(item, len(position)) for item in items], dtype=np.int64)
+    return list(position), of

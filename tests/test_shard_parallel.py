@@ -1,0 +1,302 @@
+"""ShardParallel: the ILP's choices on MLP, attention, MoE and GPT, checked on the compiled
+program (output shardings, collectives in the HLO, XLA's memory analysis) and against the serial
+`jax.jit` step."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_error
+from jax.sharding import Mesh
+
+import autopar
+from autopar.models import GPTConfig, gpt
+
+FOUR = jax.devices()[:4]
+
+
+def _sgd_step(loss):
+    def train_step(params, batch):
+        grads = autopar.grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return train_step
+
+
+def _mlp_loss(p, batch):
+    h = jax.nn.relu(batch["x"] @ p["w1"])
+    return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+
+def _mlp(batch_size, din, hidden):
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": jax.random.normal(k1, (din, hidden)) * 0.05,
+        "w2": jax.random.normal(k2, (hidden, din)) * 0.05,
+    }
+    batch = {
+        "x": jax.random.normal(k3, (batch_size, din)),
+        "y": jax.random.normal(k4, (batch_size, din)),
+    }
+    return _sgd_step(_mlp_loss), params, batch
+
+
+def _attention_loss(p, batch):
+    x = batch["x"]
+    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+    k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
+    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    a = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k) / 8.0, axis=-1)
+    y = jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqs,bshk->bqhk", a, v), p["wo"])
+    return jnp.mean((y - batch["y"]) ** 2)
+
+
+def _attention(batch_size, seq, d, heads):
+    ks = jax.random.split(jax.random.PRNGKey(1), 6)
+    hd = d // heads
+    params = {
+        name: jax.random.normal(key, shape) * 0.05
+        for name, key, shape in [
+            ("wq", ks[0], (d, heads, hd)),
+            ("wk", ks[1], (d, heads, hd)),
+            ("wv", ks[2], (d, heads, hd)),
+            ("wo", ks[3], (heads, hd, d)),
+        ]
+    }
+    batch = {
+        "x": jax.random.normal(ks[4], (batch_size, seq, d)),
+        "y": jax.random.normal(ks[5], (batch_size, seq, d)),
+    }
+    return _sgd_step(_attention_loss), params, batch
+
+
+def _moe_loss(p, batch):
+    """GShard-style MoE: tokens in groups, top-1 dispatch to capacity slots by einsum."""
+    x = batch["x"]  # (groups, tokens per group, d)
+    probs = jax.nn.softmax(jnp.einsum("gsd,de->gse", x, p["gate"]), axis=-1)
+    experts, tokens = p["gate"].shape[1], x.shape[1]
+    capacity = 2 * tokens // experts
+    choice = jax.nn.one_hot(jnp.argmax(probs, axis=-1), experts)
+    slot = jnp.sum(jnp.cumsum(choice, axis=1) * choice, axis=-1).astype(jnp.int32) - 1
+    dispatch = choice[..., None] * jax.nn.one_hot(slot, capacity)[:, :, None, :]
+    combine = dispatch * jnp.max(probs, axis=-1)[..., None, None]
+    xe = jnp.einsum("gsd,gsec->egcd", x, dispatch)
+    h = jax.nn.relu(jnp.einsum("egcd,edf->egcf", xe, p["w1"]))
+    y = jnp.einsum("egcd,gsec->gsd", jnp.einsum("egcf,efd->egcd", h, p["w2"]), combine)
+    return jnp.mean((y - batch["y"]) ** 2)
+
+
+def _moe(groups=8, tokens=64, d=256, experts=4, ffn=1024):
+    ks = jax.random.split(jax.random.PRNGKey(2), 5)
+    params = {
+        "gate": jax.random.normal(ks[0], (d, experts)) * 0.05,
+        "w1": jax.random.normal(ks[1], (experts, d, ffn)) * 0.05,
+        "w2": jax.random.normal(ks[2], (experts, ffn, d)) * 0.05,
+    }
+    batch = {
+        "x": jax.random.normal(ks[3], (groups, tokens, d)),
+        "y": jax.random.normal(ks[4], (groups, tokens, d)),
+    }
+    return _sgd_step(_moe_loss), params, batch
+
+
+def _run(step_fn, params, batch, devices=FOUR, **option):
+    """(parallel step, executable, outputs); the outputs are checked against the serial step."""
+    method = autopar.ShardParallel(
+        devices=devices, auto_sharding_option=autopar.AutoShardingOption(**option)
+    )
+    step = autopar.parallelize(step_fn, method=method)
+    executable = step.get_executable(params, batch)
+    out = step(params, batch)
+    assert relative_error(out, jax.jit(step_fn)(params, batch)) <= 1e-5
+    return step, executable, out
+
+
+def _specs(out):
+    """Each output's PartitionSpec as a tuple with one entry per dim."""
+    return {
+        k: tuple(v.sharding.spec) + (None,) * (v.ndim - len(v.sharding.spec))
+        for k, v in out.items()
+    }
+
+
+def test_large_batch_small_hidden_is_data_parallel():
+    _, executable, out = _run(*_mlp(4096, 64, 64))
+    assert _specs(out) == {"w1": (None, None), "w2": (None, None)}  # replicated
+    collectives = executable.collectives()
+    assert collectives["all-reduce"] and not collectives["all-gather"]
+    assert not collectives["all-to-all"]
+
+
+def test_small_batch_large_hidden_is_megatron():
+    _, executable, out = _run(*_mlp(8, 1024, 4096))
+    assert _specs(out) == {"w1": (None, "x"), "w2": ("x", None)}
+    collectives = executable.collectives()
+    assert collectives["all-reduce"] == [8 * 1024 * 4]  # one activation all-reduce
+    assert not collectives["all-gather"] and not collectives["reduce-scatter"]
+
+
+def test_2d_mesh_uses_both_axes():
+    mesh = Mesh(np.array(FOUR).reshape(2, 2), ("a", "b"))
+    _, executable, out = _run(*_mlp(256, 1024, 2048), devices=mesh)
+    used = {a for spec in executable.plan.stages[0].input_specs for e in spec if e for a in e}
+    assert used == {"a", "b"}
+
+
+def test_attention_heads_split_on_model_axis():
+    mesh = Mesh(np.array(FOUR).reshape(2, 2), ("data", "model"))
+    _, _, out = _run(*_attention(2, 128, 1024, 16), devices=mesh)
+    for name in ("wq", "wk", "wv"):
+        assert "model" in (_specs(out)[name][1] or ()), _specs(out)
+
+
+def test_moe_experts_split_with_all_to_all():
+    _, executable, out = _run(*_moe())
+    assert _specs(out)["w1"][0] == "x" and _specs(out)["w2"][0] == "x"
+    assert executable.collectives()["all-to-all"]
+
+
+def test_tight_memory_budget_stores_parameters_split():
+    step_fn, params, batch = _mlp(1024, 1024, 512)
+    free = autopar.plan(step_fn, params, batch, method=autopar.ShardParallel(devices=FOUR))
+    assert not all(any(spec) for spec in free.stages[0].input_specs[:2])  # a weight kept whole
+    budget = 0.75 * free.predicted.memory_per_device_bytes
+    _, executable, out = _run(step_fn, params, batch, memory_budget_per_device=budget)
+    assert all(any(spec) for spec in _specs(out).values())  # every parameter split
+    assert executable.plan.predicted.memory_per_device_bytes <= budget
+
+
+def test_budget_below_anything_feasible_names_the_least_memory():
+    step_fn, params, batch = _mlp(8, 1024, 2048)
+    method = autopar.ShardParallel(
+        devices=FOUR, auto_sharding_option=autopar.AutoShardingOption(memory_budget_per_device=1e5)
+    )
+    with pytest.raises(autopar.PlanningError, match=r"least memory per device .* about [\d.]+ MiB"):
+        autopar.plan(step_fn, params, batch, method=method)
+
+
+def test_force_options_restrict_storage():
+    step_fn, params, batch = _mlp(64, 256, 512)
+    _, _, dp = _run(step_fn, params, batch, force_data_parallel=True)
+    assert _specs(dp) == {"w1": (None, None), "w2": (None, None)}
+    _, executable, z3 = _run(step_fn, params, batch, force_zero_stage_3=True)
+    assert all(any(spec) for spec in _specs(z3).values())
+    assert executable.plan.stages[0].input_specs[2] == (("x",), None)  # batch x split
+
+
+def test_gpt_numerics_and_repeated_layers_share_a_class():
+    config = GPTConfig(num_layers=2)
+    state = gpt.create_train_state(config, batch_size=2)
+    batch = gpt.make_batch(config, 16)
+    train_step = gpt.make_train_step(autopar.value_and_grad)
+    step = autopar.parallelize(train_step)
+    new_state, _ = step(state, batch)
+    ref_state, _ = jax.jit(train_step)(state, batch)
+    assert relative_error(new_state.params, ref_state.params) <= 1e-5
+    note = step.get_plan(state, batch).notes[0]
+    groups, classes = (int(w) for w in note.replace("(", " ").split() if w.isdigit())
+    assert classes < groups
+
+
+def test_cost_model_against_xla():
+    """Predicted collective bytes and peak memory against the compiled HLO and XLA's analysis."""
+    cases = {
+        "mlp-dp": _mlp(4096, 64, 64),
+        "mlp-megatron": _mlp(8, 1024, 4096),
+        "attention": _attention(2, 128, 1024, 16),
+        "gpt-2-layer": None,
+    }
+    rows = []
+    for name, case in cases.items():
+        if case is None:
+            config = GPTConfig(num_layers=2)
+            state = gpt.create_train_state(config, batch_size=2)
+            case = (gpt.make_train_step(autopar.value_and_grad), state, gpt.make_batch(config, 16))
+            devices = None
+        else:
+            devices = FOUR
+        step = autopar.parallelize(case[0], method=autopar.ShardParallel(devices=devices))
+        executable = step.get_executable(*case[1:])
+        predicted = executable.plan.predicted
+        hlo_bytes = sum(sum(sizes) for sizes in executable.collectives().values())
+        peak = executable.memory_stats().peak_bytes
+        rows.append(
+            (
+                name,
+                predicted.communication_bytes,
+                hlo_bytes,
+                predicted.memory_per_device_bytes,
+                peak,
+            )
+        )
+    print(f"\n{'plan':<14}{'comm pred':>12}{'comm HLO':>12}{'mem pred':>12}{'mem XLA':>12}")
+    for name, cp, ch, mp, mx in rows:
+        print(f"{name:<14}{cp:>12.0f}{ch:>12.0f}{mp:>12.0f}{mx:>12.0f}")
+    # Known gaps (issue 3 note): XLA gathers GPT's embedding twice more than planned, and on CPU
+    # it copies attention's q/k/v into dot layouts, which the memory model does not count.
+    for name, cp, ch, mp, mx in rows:
+        if name != "attention":
+            assert abs(mp - mx) <= 0.15 * mx, (name, mp, mx)
+        if name != "gpt-2-layer":
+            assert abs(cp - ch) <= 0.10 * max(ch, 1), (name, cp, ch)
+
+
+def test_same_inputs_give_the_same_plan():
+    step_fn, params, batch = _mlp(64, 256, 1024)
+    method = autopar.ShardParallel(devices=FOUR)
+    first = autopar.plan(step_fn, params, batch, method=method)
+    assert autopar.plan(step_fn, params, batch, method=method).to_json() == first.to_json()
+    assert autopar.Plan.from_json(first.to_json()) == first
+
+
+def test_highs_solver_finds_the_same_optimum():
+    pytest.importorskip("highspy")
+    step_fn, params, batch = _mlp(8, 1024, 4096)
+    plans = [
+        autopar.plan(
+            step_fn,
+            params,
+            batch,
+            method=autopar.ShardParallel(
+                devices=FOUR, auto_sharding_option=autopar.AutoShardingOption(solver=solver)
+            ),
+        )
+        for solver in ("cbc", "highs")
+    ]
+    assert plans[0].predicted.step_time_s == pytest.approx(plans[1].predicted.step_time_s)
+
+
+def test_unknown_primitive_falls_back_to_replicated(caplog):
+    def loss(p, batch):
+        m = batch["x"].T @ batch["x"] + 64.0 * jnp.eye(64)
+        return jnp.sum(jnp.linalg.cholesky(m) @ p["w"])
+
+    params = {"w": jnp.ones((64, 8))}
+    batch = {"x": jax.random.normal(jax.random.PRNGKey(3), (32, 64))}
+    with caplog.at_level(logging.WARNING, logger="autopar.planner.menus"):
+        _run(_sgd_step(loss), params, batch)
+    assert "no sharding rules for primitive 'cholesky'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"memory_budget_per_device": -1}, "memory_budget_per_device"),
+        ({"solver": "gurobi"}, "solver must be one of"),
+        ({"time_limit_s": 0}, "time_limit_s"),
+        ({"force_data_parallel": True, "force_zero_stage_3": True}, "exclude each other"),
+    ],
+)
+def test_bad_options_are_rejected(option, message):
+    with pytest.raises(autopar.InvalidArgumentError, match=message):
+        autopar.AutoShardingOption(**option)
+
+
+def test_bad_method_arguments_are_rejected():
+    with pytest.raises(autopar.InvalidArgumentError, match="AutoShardingOption"):
+        autopar.ShardParallel(auto_sharding_option={"force_data_parallel": True})
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("a", "b", "c"))
+    with pytest.raises(autopar.InvalidArgumentError, match="1D or 2D"):
+        autopar.ShardParallel(devices=mesh)
