@@ -27,6 +27,7 @@ Writes benchmarks/results/plan_quality.json and plan_quality.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -191,8 +192,14 @@ def evaluate(
         found = _OOM.search(str(e))
         needs = found.group(1) if found else None
         logger.info("planning failed: %s", e)
+        if found:
+            status = "oom"
+        elif "no solution" in str(e):
+            status = "infeasible"  # the pinned layout has no plan in the ILP's menus at all
+        else:
+            status = "error"
         return {
-            "status": "oom" if "memory" in str(e) else "error",
+            "status": status,
             "needs": needs,
             "message": str(e),
             "plan_s": time.perf_counter() - start,
@@ -223,6 +230,36 @@ def evaluate(
     }
 
 
+def run_method(
+    program: Program,
+    method: str,
+    mesh: MeshPlan,
+    cluster: autopar.ClusterSpec,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Plan one method; a ZeRO layout the ILP cannot represent is retried with 1-D tensors
+    replicated (marked `relaxed`), and the strict failure kept alongside."""
+
+    def plan(relaxed: bool) -> dict[str, Any]:
+        pins = () if method == "ILP" else baseline_pins(program, method, mesh, relaxed)
+        config = IntraOpConfig(solver=args.solver, time_limit_s=args.time_limit, pinned_inputs=pins)
+        return evaluate(program, mesh, cluster, config, args.micro_batches)
+
+    result = plan(relaxed=False)
+    if result["status"] == "infeasible" and method in ("Z2", "Z3"):
+        logger.warning(
+            "%s: the strict layout is infeasible in the ILP (%s); retrying with 1-D tensors "
+            "replicated",
+            method,
+            result["message"],
+        )
+        strict = result
+        result = plan(relaxed=True)
+        result["relaxed"] = True
+        result["strict"] = strict
+    return result
+
+
 def compare(row: dict[str, Any]) -> None:
     """Add the winner and the ILP's ratio to the best baseline that fits."""
     ok = {m: r["step_ms"] for m, r in row["methods"].items() if r["status"] == "ok"}
@@ -247,8 +284,8 @@ def _cell(r: dict[str, Any], key: str = "step_ms", fmt: str = ".1f") -> str:
     if r["status"] == "oom":
         return f"OOM (needs {r['needs']})" if r.get("needs") else "OOM"
     if r["status"] != "ok":
-        return "error"
-    mark = "" if r["optimal"] else " †"
+        return r["status"]
+    mark = ("" if r["optimal"] else " †") + (" ‡" if r.get("relaxed") else "")
     return f"{r[key]:{fmt}}{mark}"
 
 
@@ -260,8 +297,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"GPT (seq 1024, vocab 51200), global batch {s['global_batch']} in {s['micro_batches']} "
         f"micro-batches of {s['micro_batch']}, {s['dtype']} compute, 8 devices (1D mesh). "
-        "Predicted step time in ms; † = ILP time limit hit (best found). Baselines are the ILP "
-        "with every input's storage pinned.",
+        f"ILP solver {s['solver']} (time limit {s['time_limit_s']:.0f} s). Predicted step time "
+        "in ms. Baselines are the ILP with every input's storage pinned. † = ILP time limit hit "
+        "(best found); ‡ = the strict ZeRO layout is infeasible in the ILP, so 1-D tensors "
+        "(biases, layernorms) are kept replicated; infeasible = no plan at all with these pins; "
+        "OOM (needs X) = over device memory, X the least the layout needs.",
         "",
         "| model | cluster | " + " | ".join(methods) + " | winner | ILP / best baseline |",
         "|---" * (len(methods) + 4) + "|",
@@ -322,12 +362,16 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--micro-batches", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    parser.add_argument(
+        "--solver", default="auto", choices=["auto", "cbc", "highs"], help="auto: highs if any"
+    )
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP limit, seconds")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     k = args.micro_batches
+    if args.solver == "auto":
+        args.solver = "highs" if importlib.util.find_spec("highspy") else "cbc"
 
     rows = []
     jobs = [(m, c, method) for m in args.models for c in args.clusters for method in args.methods]
@@ -342,12 +386,8 @@ def main() -> None:
                 row: dict[str, Any] = {"model": name, "cluster": cluster_name, "methods": {}}
                 for method in args.methods:
                     bar.set_postfix_str(f"{name} {cluster_name} {method}")
-                    pins = () if method == "ILP" else baseline_pins(program, method, mesh)
-                    cfg = IntraOpConfig(
-                        solver=args.solver, time_limit_s=args.time_limit, pinned_inputs=pins
-                    )
                     try:
-                        row["methods"][method] = evaluate(program, mesh, cluster, cfg, k)
+                        row["methods"][method] = run_method(program, method, mesh, cluster, args)
                     except Exception as e:  # noqa: BLE001 - a crash is a result to report
                         logger.exception("%s on %s, %s crashed", name, cluster_name, method)
                         row["methods"][method] = {
