@@ -6,10 +6,10 @@ so the step is traced on micro-batches of 8 sequences) this times what `autopar.
 (`plan_shard_parallel`: grouping, strategy menus and costs, ILP). The state comes from
 `jax.eval_shape` and the batch from `jax.ShapeDtypeStruct`s: nothing is allocated or compiled.
 
-    python benchmarks/planning_time.py [--models 125M 350M] [--cluster 8xV100-p3] [--profile]
+    python benchmarks/planning_time.py [--models 125M 350M] [--cluster 8xV100-p3] [--profile F]
 
-Writes benchmarks/results/planning_time.json and planning_time.md (and, with --profile,
-planning_time_profile.txt: cProfile's top functions by cumulative time for each model).
+Writes benchmarks/results/planning_time.json and planning_time.md (and, with --profile FILE,
+cProfile's top 15 functions by cumulative time for each model to FILE).
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP limit, seconds")
-    parser.add_argument("--profile", action="store_true", help="cProfile each model")
+    parser.add_argument(
+        "--profile", metavar="FILE", help="cProfile each model; write the top functions to FILE"
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -261,8 +263,8 @@ def main() -> None:
     (RESULTS / "planning_time.json").write_text(json.dumps(result, indent=2))
     table = markdown(result)
     (RESULTS / "planning_time.md").write_text(table + "\n")
-    if profiles:
-        (RESULTS / "planning_time_profile.txt").write_text("\n".join(profiles))
+    if args.profile:
+        pathlib.Path(args.profile).write_text("\n".join(profiles))
     print(table)
 
 
