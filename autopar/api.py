@@ -53,7 +53,13 @@ def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSp
     )
 
 
-def _trace(fun: Callable, args: Sequence[Any], method: Method, argnums) -> TracedStep:
+def trace_for_method(
+    fun: Callable, args: Sequence[Any], method: Method, argnums: tuple[tuple[int, ...], ...]
+) -> TracedStep:
+    """Trace `fun(*args)` as `method` needs it (micro-batch shapes; regathering for FSDP).
+
+    `argnums` is (static, batch, donate), as `tracing.resolve_argnums` returns them.
+    """
     static, batch, donate = argnums
     return trace_step(
         fun,
@@ -118,7 +124,7 @@ class ParallelizedFunc:
             self._check_batch(args)
             runtime = current_runtime()
             mesh, _ = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
-            traced = _trace(self.fun, args, self.method, self._argnums(args))
+            traced = trace_for_method(self.fun, args, self.method, self._argnums(args))
             self._plans[key] = (traced, _plan(traced, self.method, mesh, runtime.cluster_spec))
         return self._plans[key]
 
@@ -203,5 +209,5 @@ def plan(
     method = _check_method(method)
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
-    traced = _trace(fun, args, method, argnums)
+    traced = trace_for_method(fun, args, method, argnums)
     return _plan(traced, method, method_mesh(method, cluster)[0], cluster)

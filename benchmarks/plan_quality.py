@@ -35,30 +35,27 @@ import json
 import logging
 import math
 import os
-import pathlib
 import re
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from gpt_shapes import RESULTS, add_shape_arguments, gpt_inputs, trace_gpt_step
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import autopar
 from autopar.methods import method_mesh
-from autopar.models import GPTConfig, gpt
+from autopar.models import GPTConfig
 from autopar.planner.cluster import preset_names
 from autopar.planner.explicit import split_spec
 from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.planner.program import Program
-from autopar.tracing import TracedStep, resolve_argnums, trace_step
 
 logger = logging.getLogger("plan_quality")
 
-RESULTS = pathlib.Path(__file__).parent / "results"
-MODELS = ("125M", "350M", "1.3B")
 CLUSTERS = ("8xV100-p3", "8xA100-80G", "8xH100-80G")
 BASELINES = ("DP", "Z2", "Z3", "Megatron")
 METHODS = ("ILP",) + BASELINES
@@ -75,32 +72,6 @@ Spec = tuple[tuple[str, ...] | None, ...]
 
 
 # ----------------------------------------------------------------------------- inputs and tracing
-
-
-def gpt_inputs(config: GPTConfig, global_batch: int) -> tuple[Any, dict[str, jax.ShapeDtypeStruct]]:
-    """Abstract train state (no parameters allocated) and an abstract global batch."""
-    state = jax.eval_shape(lambda: gpt.create_train_state(config))
-    batch = {
-        name: jax.ShapeDtypeStruct((global_batch, config.seq_len), jnp.int32)
-        for name in ("tokens", "targets")
-    }
-    return state, batch
-
-
-def trace(num_micro_batches: int, state: Any, batch: dict[str, Any]) -> TracedStep:
-    """What `autopar.plan` traces for ShardParallel: the step on micro-batch shapes, with
-    parameters gathered again in the backward pass (regather_params=True)."""
-    args = (state, batch)
-    static, batch_argnums, donate = resolve_argnums(args, (), (1,), "auto")
-    return trace_step(
-        gpt.make_train_step(autopar.value_and_grad),
-        args,
-        static_argnums=static,
-        batch_argnums=batch_argnums,
-        donate_argnums=donate,
-        regather_params=True,
-        num_micro_batches=num_micro_batches,
-    )
 
 
 # ----------------------------------------------------------------------------- baseline layouts
@@ -359,19 +330,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    add_shape_arguments(parser)
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=preset_names())
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--global-batch", type=int, default=1024)
-    parser.add_argument("--micro-batches", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--solver", default="auto", choices=["auto", "cbc", "highs"], help="auto: highs if any"
     )
     parser.add_argument(
         "--time-limit", type=float, default=30.0, help="per ILP solve, seconds (library: 60)"
     )
-    parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     k = args.micro_batches
@@ -383,7 +350,9 @@ def main() -> None:
     with logging_redirect_tqdm(), tqdm(total=len(jobs), desc="plans") as bar:
         for name in args.models:
             config = GPTConfig.alpa(name, dtype=jnp.dtype(args.dtype))
-            traced = trace(k, *gpt_inputs(config, args.global_batch))
+            traced = trace_gpt_step(
+                autopar.ShardParallel(num_micro_batches=k), *gpt_inputs(config, args.global_batch)
+            )
             program = traced.program
             for cluster_name in args.clusters:
                 cluster = autopar.ClusterSpec.preset(cluster_name)

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from gpt_shapes import RESULTS, add_shape_arguments, gpt_inputs, trace_gpt_step
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -36,12 +37,9 @@ from autopar.methods import method_mesh
 from autopar.models import GPTConfig, gpt
 from autopar.planner.cluster import preset_names
 from autopar.planner.intra import plan_shard_parallel
-from autopar.tracing import TracedStep, resolve_argnums, trace_step
 
 logger = logging.getLogger("planning_time")
 
-RESULTS = pathlib.Path(__file__).parent / "results"
-MODELS = ("125M", "350M", "1.3B")
 TARGET_S = 15.0  # the goal for GPT-1.3B: trace + plan on a laptop-class CPU
 _NOTE = re.compile(r"ILP over (\d+) groups \((\d+) classes\), (optimal|time limit hit)")
 
@@ -59,33 +57,6 @@ class _IlpLog(logging.Handler):
             self.last = dict(zip(keys, record.args, strict=True))
 
 
-def gpt_inputs(config: GPTConfig, global_batch: int) -> tuple[Any, dict[str, jax.ShapeDtypeStruct]]:
-    """Abstract train state (no parameters allocated) and an abstract global batch."""
-    state = jax.eval_shape(lambda: gpt.create_train_state(config))
-    batch = {
-        name: jax.ShapeDtypeStruct((global_batch, config.seq_len), jnp.int32)
-        for name in ("tokens", "targets")
-    }
-    return state, batch
-
-
-def trace(
-    method: autopar.ShardParallel, state: Any, batch: dict[str, jax.ShapeDtypeStruct]
-) -> TracedStep:
-    """What `autopar.plan` traces: the GPT step on micro-batch shapes."""
-    args = (state, batch)
-    static, batch_argnums, donate = resolve_argnums(args, (), (1,), "auto")
-    return trace_step(
-        gpt.make_train_step(autopar.value_and_grad),
-        args,
-        static_argnums=static,
-        batch_argnums=batch_argnums,
-        donate_argnums=donate,
-        regather_params=method.regather_params,
-        num_micro_batches=method.num_micro_batches or 1,
-    )
-
-
 def time_model(
     name: str, args: argparse.Namespace, cluster: autopar.ClusterSpec, ilp_log: _IlpLog
 ) -> dict[str, Any]:
@@ -97,7 +68,7 @@ def time_model(
     )
     ilp_log.last = {}
     start = time.perf_counter()
-    traced = trace(method, state, batch)
+    traced = trace_gpt_step(method, state, batch)
     traced_at = time.perf_counter()
     mesh, _ = method_mesh(method, cluster)
     plan = plan_shard_parallel(
@@ -178,17 +149,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    add_shape_arguments(parser)
     parser.add_argument("--cluster", default="8xV100-p3", choices=preset_names())
-    parser.add_argument("--global-batch", type=int, default=1024)
-    parser.add_argument("--micro-batches", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP limit, seconds")
     parser.add_argument(
         "--profile", metavar="FILE", help="cProfile each model; write the top functions to FILE"
     )
-    parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)

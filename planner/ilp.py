@@ -29,6 +29,7 @@ import numpy as np
 import pulp
 
 from autopar.planner.errors import PlanningError
+from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +244,9 @@ class IntraOpIlp:
         if result is None:
             least = self.least_memory()
             raise PlanningError(
-                f"no sharding plan fits the memory budget of {_format_bytes(budget_bytes)} per "
+                f"no sharding plan fits the memory budget of {format_bytes(budget_bytes)} per "
                 f"device; the least memory per device that would fit is about "
-                f"{_format_bytes(least)} (set AutoShardingOption(memory_budget_per_device=...) "
+                f"{format_bytes(least)} (set AutoShardingOption(memory_budget_per_device=...) "
                 "or use more devices)"
             )
         choices, optimal, rounds = result
@@ -268,11 +269,3 @@ class IntraOpIlp:
         if result is None:
             raise PlanningError("the sharding ILP has no solution even without a memory budget")
         return float(self.memory.evaluate(result[0]).max())
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -28,6 +28,7 @@ from autopar.planner.cost import Collective, LogicalMesh, resharding_collectives
 from autopar.planner.graph import OpNode
 from autopar.planner.groups import Group, Grouping, Value
 from autopar.planner.leader_rules import source_strategies
+from autopar.planner.memory import value_aval
 from autopar.planner.plan import Spec
 from autopar.planner.strategy import (
     FOLLOW_RULES,
@@ -277,12 +278,7 @@ class MenuBuilder:
         ]
         rows, row_of = _index(have_specs)
         cols, col_of = _index(need_specs)
-        node, o = value
-        aval = (
-            self.grouping.graph.inputs[o]
-            if node is None
-            else self.grouping.graph.node(node).out_avals[o]
-        )
+        aval = value_aval(self.grouping, value)
         costs = Costs.zeros((len(rows), len(cols)))
         overlappable = h.is_input
         for a, have in enumerate(rows):

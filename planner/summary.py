@@ -5,7 +5,8 @@ from __future__ import annotations
 from autopar.planner.plan import Plan, format_spec
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """A byte count in B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -36,8 +37,9 @@ def plan_summary(plan: Plan, max_inputs: int = 40) -> str:
             lines.append(f"  gradients reduce-scattered at {len(stage.reduce_scatter)} node(s)")
     lines.append(
         f"predicted per step: {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
-        f"communication {p.communication_s * 1e3:.3f} ms, {_bytes(p.communication_bytes)} moved); "
-        f"memory per device {_bytes(p.memory_per_device_bytes)}"
+        f"communication {p.communication_s * 1e3:.3f} ms, "
+        f"{format_bytes(p.communication_bytes)} moved); "
+        f"memory per device {format_bytes(p.memory_per_device_bytes)}"
     )
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)

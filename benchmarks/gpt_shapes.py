@@ -1,0 +1,44 @@
+"""What the planner benchmarks share: Alpa's GPT shapes, abstract inputs and the traced step."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import autopar
+from autopar.api import trace_for_method
+from autopar.models import GPTConfig, gpt
+from autopar.tracing import TracedStep, resolve_argnums
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+MODELS = ("125M", "350M", "1.3B")
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """--models, --global-batch, --micro-batches, --dtype and --log-level."""
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--global-batch", type=int, default=1024)
+    parser.add_argument("--micro-batches", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def gpt_inputs(config: GPTConfig, global_batch: int) -> tuple[Any, dict[str, jax.ShapeDtypeStruct]]:
+    """Abstract train state (no parameters allocated) and an abstract global batch."""
+    state = jax.eval_shape(lambda: gpt.create_train_state(config))
+    batch = {
+        name: jax.ShapeDtypeStruct((global_batch, config.seq_len), jnp.int32)
+        for name in ("tokens", "targets")
+    }
+    return state, batch
+
+
+def trace_gpt_step(method: autopar.ShardParallel, state: Any, batch: dict[str, Any]) -> TracedStep:
+    """What `autopar.plan` traces for `method`: the GPT step on micro-batch shapes."""
+    args = (state, batch)
+    step = gpt.make_train_step(autopar.value_and_grad)
+    return trace_for_method(step, args, method, resolve_argnums(args, (), (1,), "auto"))
