@@ -22,7 +22,7 @@ baseline that does not fit device memory is reported as OOM with the least memor
     python benchmarks/plan_quality.py [--models 125M] [--clusters 8xV100-p3] [--time-limit 60]
 
 The ILP solver is HiGHS when `highspy` is installed (much faster here than CBC), else CBC; each
-solve is capped at 30 s by default so that the 45 plans take about 10 minutes on 2 CPU cores.
+solve is capped at 30 s by default; the 45 plans take about 3 minutes on 2 CPU cores.
 
 Writes benchmarks/results/plan_quality.json and plan_quality.md.
 """
@@ -107,11 +107,8 @@ def megatron_spec(key: str, shape: tuple[int, ...], axes: tuple[str, ...], n: in
     return _replicated(shape)
 
 
-def baseline_pins(
-    program: Program, name: str, mesh: MeshPlan, replicate_1d: bool = False
-) -> tuple[tuple[str, Spec], ...]:
-    """The storage spec of every step input under baseline `name`; with `replicate_1d`, ZeRO
-    keeps 1-D tensors (biases, layernorms: a negligible share of the bytes) replicated."""
+def baseline_pins(program: Program, name: str, mesh: MeshPlan) -> tuple[tuple[str, Spec], ...]:
+    """The storage spec of every step input under baseline `name`."""
     sig = program.signature
     axes, n = tuple(mesh.axis_names), mesh.num_devices
     pins = []
@@ -122,9 +119,7 @@ def baseline_pins(
             spec = _replicated(shape) if name == "Megatron" else _split(shape, 0, axes, n)
         elif name == "Megatron" and (param or moment):
             spec = megatron_spec((param or moment).group(1), shape, axes, n)
-        elif ((name == "Z3" and param) or (name in ("Z2", "Z3") and moment)) and not (
-            replicate_1d and len(shape) == 1
-        ):
+        elif (name == "Z3" and param) or (name in ("Z2", "Z3") and moment):
             spec = split_spec(shape, axes, n)
         else:
             spec = _replicated(shape)
@@ -211,27 +206,10 @@ def run_method(
     cluster: autopar.ClusterSpec,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Plan one method; a ZeRO layout the ILP cannot represent is retried with 1-D tensors
-    replicated (marked `relaxed`), and the strict failure kept alongside."""
-
-    def plan(relaxed: bool) -> dict[str, Any]:
-        pins = () if method == "ILP" else baseline_pins(program, method, mesh, relaxed)
-        config = IntraOpConfig(solver=args.solver, time_limit_s=args.time_limit, pinned_inputs=pins)
-        return evaluate(program, mesh, cluster, config, args.micro_batches)
-
-    result = plan(relaxed=False)
-    if result["status"] == "infeasible" and method in ("Z2", "Z3"):
-        logger.warning(
-            "%s: the strict layout is infeasible in the ILP (%s); retrying with 1-D tensors "
-            "replicated",
-            method,
-            result["message"],
-        )
-        strict = result
-        result = plan(relaxed=True)
-        result["relaxed"] = True
-        result["strict"] = strict
-    return result
+    """Plan one method: the ILP unrestricted, a baseline with its storage layout pinned."""
+    pins = () if method == "ILP" else baseline_pins(program, method, mesh)
+    config = IntraOpConfig(solver=args.solver, time_limit_s=args.time_limit, pinned_inputs=pins)
+    return evaluate(program, mesh, cluster, config, args.micro_batches)
 
 
 def compare(row: dict[str, Any]) -> None:
@@ -248,7 +226,7 @@ def compare(row: dict[str, Any]) -> None:
     else:
         row["best_baseline"] = None
         row["ilp_over_best_baseline"] = None
-        row["ilp_worse"] = "ILP" not in ok and bool(baselines)
+        row["ilp_worse"] = "ILP" in row["methods"] and "ILP" not in ok and bool(baselines)
 
 
 # ----------------------------------------------------------------------------- report
@@ -259,8 +237,7 @@ def _cell(r: dict[str, Any], key: str = "step_ms", fmt: str = ".1f") -> str:
         return f"OOM (needs {r['needs']})" if r.get("needs") else "OOM"
     if r["status"] != "ok":
         return r["status"]
-    mark = ("" if r["optimal"] else " †") + (" ‡" if r.get("relaxed") else "")
-    return f"{r[key]:{fmt}}{mark}"
+    return f"{r[key]:{fmt}}" + ("" if r["optimal"] else " †")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -273,8 +250,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"micro-batches of {s['micro_batch']}, {s['dtype']} compute, 8 devices (1D mesh). "
         f"ILP solver {s['solver']} (time limit {s['time_limit_s']:.0f} s). Predicted step time "
         "in ms. Baselines are the ILP with every input's storage pinned. † = ILP time limit hit "
-        "(best found); ‡ = the strict ZeRO layout is infeasible in the ILP, so 1-D tensors "
-        "(biases, layernorms) are kept replicated; infeasible = no plan at all with these pins; "
+        "(best found); infeasible = no plan at all with these pins; "
         "OOM (needs X) = over device memory, X the least the layout needs.",
         "",
         "| model | cluster | " + " | ".join(methods) + " | winner | ILP / best baseline |",

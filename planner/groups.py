@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from autopar.markers import GRAD_BOUNDARY
+from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
 from autopar.planner.strategy import FOLLOW_RULES, LEADER_RULES
 
 TRANSPARENT = (GRAD_BOUNDARY, "optimization_barrier")
+# Params that name *which* value an op is about, not what it does: layers that differ only in
+# them are the same layer.
+_IDENTITY_PARAMS = {PARAM_USE: frozenset({"index"})}
 
 Value = tuple[str, int] | tuple[None, int]
 """A value: (node id, output index), or (None, i) for step input i."""
@@ -122,7 +125,8 @@ def group_graph(graph: OpGraph) -> Grouping:
 def _params_key(node: OpNode) -> tuple:
     """A hashable digest of a node's params (sub-jaxprs by their size, not their identity)."""
     items = []
-    for name in sorted(node.params):
+    ignored = _IDENTITY_PARAMS.get(node.primitive, frozenset())
+    for name in sorted(set(node.params) - ignored):
         value = node.params[name]
         if hasattr(value, "eqns") or hasattr(value, "jaxpr"):
             jaxpr = getattr(value, "jaxpr", value)

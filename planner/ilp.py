@@ -63,16 +63,6 @@ class EdgeClass:
 
 
 @dataclasses.dataclass(slots=True)
-class Equality:
-    """Alias: class `a` choosing a choice with key κ ⇔ class `b` choosing one with key κ."""
-
-    a: int
-    keys_a: Sequence
-    b: int
-    keys_b: Sequence
-
-
-@dataclasses.dataclass(slots=True)
 class MemoryModel:
     """Memory per step as a function of the choices: see `planner.intra` for how it is built."""
 
@@ -96,7 +86,6 @@ class IntraOpIlp:
         num_choices: Sequence[int],
         costs: Sequence[ClassCosts],
         edges: Sequence[EdgeClass],
-        equalities: Sequence[Equality],
         memory: MemoryModel,
         *,
         solver: str = "cbc",
@@ -105,7 +94,6 @@ class IntraOpIlp:
         self.num_choices = list(num_choices)
         self.costs = costs
         self.edges = edges
-        self.equalities = equalities
         self.memory = memory
         self.solver = solver
         self.time_limit_s = time_limit_s
@@ -120,11 +108,6 @@ class IntraOpIlp:
         ]
         for c, vs in enumerate(s):
             prob += pulp.lpSum(vs) == 1, f"one_{c}"
-        for i, eq in enumerate(self.equalities):
-            for m, key in enumerate(sorted(set(eq.keys_a) | set(eq.keys_b), key=repr)):
-                lhs = [s[eq.a][k] for k, x in enumerate(eq.keys_a) if x == key]
-                rhs = [s[eq.b][k] for k, x in enumerate(eq.keys_b) if x == key]
-                prob += pulp.lpSum(lhs) - pulp.lpSum(rhs) == 0, f"alias_{i}_{m}"
         return prob, s
 
     def _edge_terms(self, prob, s) -> tuple[list, list]:

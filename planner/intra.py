@@ -25,7 +25,6 @@ from autopar.planner.ilp import (
     OVERLAP_PENALTY,
     ClassCosts,
     EdgeClass,
-    Equality,
     IntraOpIlp,
     MemoryModel,
 )
@@ -40,7 +39,7 @@ from autopar.planner.plan import (
     StagePlan,
     replicated,
 )
-from autopar.planner.program import Program
+from autopar.planner.program import Program, StepSignature
 from autopar.planner.strategy import storage_specs
 
 logger = logging.getLogger(__name__)
@@ -159,7 +158,7 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
     weights = dict.fromkeys(_grad_part(graph), float(k)) if k > 1 else {}
     builder = MenuBuilder(grouping, mesh, cluster, weights, _gradient_sums(graph), inputs)
     group_costs = [builder.group_costs(g) for g in grouping.groups]
-    edges = builder.edges()
+    edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
     live = liveness(grouping, program.signature)
     return _Problem(grouping, builder, group_costs, edges, live, num_classes, inputs)
 
@@ -270,30 +269,21 @@ def _class_inputs(
     return num_choices, costs, list(merged.values())
 
 
-def _alias_equalities(program: Program, problem: _Problem) -> list[Equality]:
-    """Each output that is the new value of an input is stored like that input."""
-    grouping, builder = problem.grouping, problem.builder
-    found = []
-    for j, i in enumerate(program.signature.output_to_input):
-        if i is None:
-            continue
+def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuilder) -> list[Edge]:
+    """An output that is the new value of an input is stored like that input, so the next step
+    reads it as planned: where it is computed in another spec, resharding it into the input's
+    storage (e.g. ZeRO-2 all-gathering updated parameters) is an edge to the input's group."""
+    edges = []
+    for j, i in enumerate(signature.output_to_input):
         value = grouping.value_of(grouping.graph.outputs[j])
-        if value is None or value == input_value(i):
+        if i is None or value is None or value == input_value(i):
             continue
-        out_group = grouping.groups[grouping.group_of_value(value)]
-        in_group = grouping.groups[grouping.input_group[i]]
-        if out_group.cls == in_group.cls:
-            continue
-        lv = builder.local_value(out_group, value)
-        found.append(
-            Equality(
-                out_group.cls,
-                [specs[lv] for specs in builder.menu(out_group).value_specs],
-                in_group.cls,
-                [specs[(-1, 0)] for specs in builder.menu(in_group).value_specs],
-            )
-        )
-    return found
+        stored = grouping.groups[grouping.input_group[i]]
+        needs = [(specs[(-1, 0)],) for specs in builder.menu(stored).value_specs]
+        edge = builder.reshard_edge(grouping.group_of_value(value), value, stored.index, needs, [1])
+        if edge is not None:
+            edges.append(edge)
+    return edges
 
 
 def plan_shard_parallel(
@@ -313,7 +303,6 @@ def plan_shard_parallel(
         num_choices,
         costs,
         edges,
-        _alias_equalities(program, problem),
         MemoryModel(memory.evaluate, memory.coefficients),
         solver=config.solver,
         time_limit_s=config.time_limit_s,
@@ -367,7 +356,8 @@ def _emit(
     node_outputs: dict[str, tuple[Spec | None, ...]] = {}
     node_inputs: dict[str, tuple[Spec | None, ...]] = {}
     reduce_scatter: dict[str, ReduceScatterLowering] = {}
-    # The prediction replays the plan: XLA reshards a value to a spec once for all its readers.
+    # The prediction replays the plan: XLA reshards a value to a spec once for all its readers,
+    # except at parameter uses.
     totals = Costs.zeros(())
     resharded: set[tuple] = set()
     reshard_temps = np.zeros(problem.live.num_steps + 1)  # differences: + at start, - after end
@@ -393,8 +383,10 @@ def _emit(
                 continue
             needs.append(need)
             aval = node.in_avals[pos]
-            if (value, need) not in resharded:
-                resharded.add((value, need))
+            # A parameter use gathers on its own (a regather inside remat is not CSE'd away).
+            key = node.id if node.id in aliases else (value, need)
+            if key not in resharded:
+                resharded.add(key)
                 seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
                 from_input = grouping.groups[grouping.group_of_value(value)].is_input
                 totals.add_comm((), weight * seconds, weight * nbytes, from_input)
@@ -417,14 +409,20 @@ def _emit(
                 partial_axes=s.partial_axes,
             )
     sig = program.signature
+    output_specs = []
+    for j, (ref, aval) in enumerate(zip(graph.outputs, sig.output_avals, strict=True)):
+        value, i = grouping.value_of(ref), sig.output_to_input[j]
+        have = replicated(len(aval.shape)) if value is None else spec_of(value)
+        stored = have if i is None else spec_of(input_value(i))  # see `_alias_edges`
+        if stored != have:
+            seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, stored)
+            totals.add_comm((), seconds, nbytes, False)
+        output_specs.append(stored)
     stage = StagePlan(
         index=0,
         mesh=mesh_plan,
         input_specs=tuple(spec_of(input_value(i)) for i in range(len(sig.input_avals))),
-        output_specs=tuple(
-            spec_of(v) if (v := grouping.value_of(r)) is not None else replicated(len(a.shape))
-            for r, a in zip(graph.outputs, sig.output_avals, strict=True)
-        ),
+        output_specs=tuple(output_specs),
         node_output_specs=node_outputs,
         node_input_specs=node_inputs,
         reduce_scatter=reduce_scatter,

@@ -7,7 +7,8 @@ the most temporary bytes live at any step. Steps are the graph's nodes in progra
 XLA fuses chains of element-wise ops, so their intermediates never exist as buffers. A node's
 output is *materialized* unless it is an element-wise/layout op whose single reader fuses it
 (another element-wise/layout op or a reduction), or an op that only relabels its operand's buffer
-(`_ALIASES`), which extends that buffer's life instead.
+(`_ALIASES`), which extends that buffer's life instead. Element-wise ops of scalars (a broadcast
+constant, an iota) are never materialized: XLA fuses them into every reader.
 """
 
 from __future__ import annotations
@@ -107,10 +108,9 @@ def liveness(grouping: Grouping, signature: StepSignature) -> Liveness:
             users = readers.get(value, [])
             if not users:
                 continue
-            fused = (
-                n.primitive in _FUSED
-                and len(users) == 1
-                and graph.node(users[0]).primitive in _FUSES_OPERANDS
+            fused = n.primitive in _FUSED and (
+                all(not a.shape for a in n.in_avals)  # a constant: XLA recomputes it at each use
+                or (len(users) == 1 and graph.node(users[0]).primitive in _FUSES_OPERANDS)
             )
             if not fused:
                 temporaries.append((value, step_of[n.id], max(step_of[u] for u in users)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -88,7 +88,6 @@ class Edge:
     producer_choice: np.ndarray  # producer's choice k -> row a
     consumer_choice: np.ndarray  # consumer's choice k -> column b
     costs: Costs  # matrices [a, b]
-    readers: tuple[tuple[Value, int, int, float], ...]  # (value, member, operand, weight)
 
 
 class MenuBuilder:
@@ -267,29 +266,38 @@ class MenuBuilder:
         return edges
 
     def _edge(self, producer: int, value: Value, consumer: int, reads) -> Edge | None:
-        groups = self.grouping.groups
-        h, g = groups[producer], groups[consumer]
-        h_menu, g_menu = self.menu(h), self.menu(g)
-        lv = self.local_value(h, value)
-        have_specs = [specs[lv] for specs in h_menu.value_specs]
-        need_specs = [
-            tuple(g_menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
-            for k in range(len(g_menu))
+        menu = self.menu(self.grouping.groups[consumer])
+        needs = [
+            tuple(menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
+            for k in range(len(menu))
         ]
-        rows, row_of = _index(have_specs)
-        cols, col_of = _index(need_specs)
+        return self.reshard_edge(producer, value, consumer, needs, [w for *_, w in reads])
+
+    def reshard_edge(
+        self,
+        producer: int,
+        value: Value,
+        consumer: int,
+        needs: list[tuple[Spec | None, ...]],
+        weights: Sequence[float],
+    ) -> Edge | None:
+        """The edge where the consumer's choice k needs `value` as each spec in `needs[k]`
+        (one per read, with its weight); None if no pair of choices costs anything."""
+        h = self.grouping.groups[producer]
+        lv = self.local_value(h, value)
+        rows, row_of = _index([specs[lv] for specs in self.menu(h).value_specs])
+        cols, col_of = _index(needs)
         aval = value_aval(self.grouping, value)
         costs = Costs.zeros((len(rows), len(cols)))
-        overlappable = h.is_input
         for a, have in enumerate(rows):
-            for b, needs in enumerate(cols):
-                for need, (_, _, _, weight) in zip(needs, reads, strict=True):
+            for b, specs in enumerate(cols):
+                for need, weight in zip(specs, weights, strict=True):
                     if need is not None and need != have:
                         seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
-                        costs.add_comm((a, b), weight * seconds, weight * nbytes, overlappable)
+                        costs.add_comm((a, b), weight * seconds, weight * nbytes, h.is_input)
         if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
             return None
-        return Edge(producer, consumer, row_of, col_of, costs, reads)
+        return Edge(producer, consumer, row_of, col_of, costs)
 
 
 def _index(items: list) -> tuple[list, np.ndarray]:

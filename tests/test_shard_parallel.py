@@ -2,11 +2,13 @@
 program (output shardings, collectives in the HLO, XLA's memory analysis) and against the serial
 `jax.jit` step."""
 
+import dataclasses
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import relative_error
 from jax.sharding import Mesh
@@ -186,6 +188,35 @@ def test_force_options_restrict_storage():
     assert executable.plan.stages[0].input_specs[2] == (("x",), None)  # batch x split
 
 
+def _adam_mlp(batch_size, din, hidden):
+    _, params, batch = _mlp(batch_size, din, hidden)
+    optimizer = optax.adam(1e-2)
+
+    def train_step(state, batch):
+        params, opt_state = state
+        grads = autopar.grad(_mlp_loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step, (params, optimizer.init(params)), batch
+
+
+def test_prefer_reduce_scatter_shards_the_weight_update():
+    """Data parallel all-reduces gradients into replicated Adam moments; with
+    prefer_reduce_scatter the moments are stored split and gradients are reduce-scattered."""
+    step_fn, state, batch = _adam_mlp(4096, 64, 64)
+    _, executable, (_, (adam, _)) = _run(step_fn, state, batch)
+    assert not any(any(s) for m in (adam.mu, adam.nu) for s in _specs(m).values())
+    assert executable.collectives()["all-reduce"]
+    assert not executable.collectives()["reduce-scatter"]
+    _, executable, (_, (adam, _)) = _run(step_fn, state, batch, prefer_reduce_scatter=True)
+    assert all(any(s) for m in (adam.mu, adam.nu) for s in _specs(m).values())
+    collectives = executable.collectives()
+    # Each device receives its quarter of both 64x64 fp32 gradients.
+    assert sum(collectives["reduce-scatter"]) == 2 * 64 * 64 * 4 // 4
+    assert not collectives["all-reduce"]
+
+
 def test_gpt_numerics_and_repeated_layers_share_a_class():
     config = GPTConfig(num_layers=2)
     state = gpt.create_train_state(config, batch_size=2)
@@ -234,20 +265,22 @@ def test_cost_model_against_xla():
     print(f"\n{'plan':<14}{'comm pred':>12}{'comm HLO':>12}{'mem pred':>12}{'mem XLA':>12}")
     for name, cp, ch, mp, mx in rows:
         print(f"{name:<14}{cp:>12.0f}{ch:>12.0f}{mp:>12.0f}{mx:>12.0f}")
-    # Known gaps (issue 3 note): XLA gathers GPT's embedding twice more than planned, and on CPU
-    # it copies attention's q/k/v into dot layouts, which the memory model does not count.
+    # Known gap: XLA's CPU schedule updates attention's replicated `wo` in place before the
+    # backward pass reads it, so it keeps a 4 MiB copy of it and a 4 MiB transposed copy for the
+    # input-gradient dot (XLA's memory-usage report); the memory model counts neither (-22%).
     for name, cp, ch, mp, mx in rows:
         if name != "attention":
             assert abs(mp - mx) <= 0.15 * mx, (name, mp, mx)
-        if name != "gpt-2-layer":
-            assert abs(cp - ch) <= 0.10 * max(ch, 1), (name, cp, ch)
+        assert abs(cp - ch) <= 0.10 * max(ch, 1), (name, cp, ch)
 
 
 def test_same_inputs_give_the_same_plan():
     step_fn, params, batch = _mlp(64, 256, 1024)
     method = autopar.ShardParallel(devices=FOUR)
     first = autopar.plan(step_fn, params, batch, method=method)
-    assert autopar.plan(step_fn, params, batch, method=method).to_json() == first.to_json()
+    second = autopar.plan(step_fn, params, batch, method=method)
+    # The notes say how long planning took; everything else is the plan.
+    assert dataclasses.replace(second, notes=()) == dataclasses.replace(first, notes=())
     assert autopar.Plan.from_json(first.to_json()) == first
 
 
