@@ -8,9 +8,16 @@ def train_step(state, batch):
 
 from autopar.api import ParallelizedFunc, parallelize, plan
 from autopar.context import init, shutdown, simulate_cpu_devices
-from autopar.markers import grad, value_and_grad
+from autopar.markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
-from autopar.options import AutoShardingOption
+from autopar.options import (
+    AutoLayerOption,
+    AutoShardingOption,
+    AutoStageOption,
+    ManualLayerOption,
+    ManualStageOption,
+    UniformStageOption,
+)
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import (
     AutoparError,
@@ -24,22 +31,28 @@ from autopar.runtime.executable import Executable, MemoryStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoLayerOption",
     "AutoShardingOption",
+    "AutoStageOption",
     "AutoparError",
     "ClusterSpec",
     "DataParallel",
     "Executable",
     "InvalidArgumentError",
+    "ManualLayerOption",
+    "ManualStageOption",
     "MemoryStats",
     "ParallelizedFunc",
     "Plan",
     "PlanningError",
     "ShardParallel",
     "TracingError",
+    "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
     "grad",
     "init",
+    "mark_pipeline_boundary",
     "parallelize",
     "plan",
     "shutdown",

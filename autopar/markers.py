@@ -13,6 +13,14 @@ in the traced program:
   accumulation and pipelining need. ``grad_of[k]`` is the param index operand k is the gradient
   of, or -1 for the loss value and aux outputs.
 
+Pipelining adds two more (see `autopar.layering`):
+
+* ``autopar_pipeline_boundary``, with no operands, where the user calls `mark_pipeline_boundary()`
+  between layers of the loss.
+* ``autopar_layer_boundary[layer=k, kind=...]`` on the values that cross from earlier layers into
+  layer k. Its JVP marks the tangents (kind "tangent") and its transpose the cotangents (kind
+  "backward"), so the differentiated step carries every boundary in the backward pass too.
+
 Outside autopar the markers lower to nothing, so the decorated step runs under plain ``jax.jit``.
 """
 
@@ -30,6 +38,8 @@ from jax.interpreters import ad, batching, mlir
 
 PARAM_USE = "autopar_param_use"
 GRAD_BOUNDARY = "autopar_grad_boundary"
+PIPELINE_BOUNDARY = "autopar_pipeline_boundary"
+LAYER_BOUNDARY = "autopar_layer_boundary"
 
 
 def _identity_primitive(name: str, multiple_results: bool) -> Primitive:
@@ -58,14 +68,56 @@ def _identity_primitive(name: str, multiple_results: bool) -> Primitive:
 
 param_use_p = _identity_primitive(PARAM_USE, multiple_results=False)
 grad_boundary_p = _identity_primitive(GRAD_BOUNDARY, multiple_results=True)
+pipeline_boundary_p = _identity_primitive(PIPELINE_BOUNDARY, multiple_results=True)
+layer_boundary_p = _identity_primitive(LAYER_BOUNDARY, multiple_results=True)
+
+
+def _mark_nonzero(values: Sequence[Any], avals: Sequence[Any], **params: Any) -> list[Any]:
+    """Pass the non-zero (co)tangents through the layer boundary; symbolic zeros stay zeros."""
+    keep = [i for i, v in enumerate(values) if type(v) is not ad.Zero]
+    marked = layer_boundary_p.bind(*(values[i] for i in keep), **params)
+    out = [ad.Zero(a) if type(v) is ad.Zero else v for v, a in zip(values, avals, strict=True)]
+    for i, m in zip(keep, marked, strict=True):
+        out[i] = m
+    return out
+
+
+def _layer_boundary_jvp(primals, tangents, *, layer: int, kind: str):
+    avals = [t.aval for t in tangents]
+    out = layer_boundary_p.bind(*primals, layer=layer, kind=kind)
+    return out, _mark_nonzero(tangents, avals, layer=layer, kind="tangent")
+
+
+def _layer_boundary_transpose(cotangents, *operands, layer: int, kind: str):
+    avals = [x.aval for x in operands]
+    return _mark_nonzero(cotangents, avals, layer=layer, kind="backward")
+
+
+ad.primitive_jvps[layer_boundary_p] = _layer_boundary_jvp
+ad.primitive_transposes[layer_boundary_p] = _layer_boundary_transpose
+
+
+def mark_pipeline_boundary() -> None:
+    """End a layer of the loss here (for `ManualLayerOption`); a no-op anywhere else.
+
+    Example::
+
+        def loss_fn(params, batch):
+            x = layer_1(params, batch)
+            autopar.mark_pipeline_boundary()
+            return layer_2(params, x)
+    """
+    pipeline_boundary_p.bind()
 
 
 @dataclasses.dataclass(slots=True)
 class _TraceState:
-    """Per-trace state: the next free parameter index and whether to regather in backward."""
+    """Per-trace state: the next free parameter index, whether to regather in backward, and how
+    to rewrite the loss before differentiating it (pipelining cuts it into layers)."""
 
     regather_params: bool = False
     next_param_index: int = 0
+    loss_transform: Callable[[Callable], Callable] | None = None
 
 
 _TRACE_STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVar(
@@ -74,9 +126,14 @@ _TRACE_STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def tracing_scope(*, regather_params: bool) -> Iterator[None]:
-    """Scope of one autopar trace: numbers parameters from 0 and sets the regather mode."""
-    token = _TRACE_STATE.set(_TraceState(regather_params=regather_params))
+def tracing_scope(
+    *, regather_params: bool, loss_transform: Callable[[Callable], Callable] | None = None
+) -> Iterator[None]:
+    """Scope of one autopar trace: numbers parameters from 0, sets the regather mode and the
+    loss rewrite."""
+    token = _TRACE_STATE.set(
+        _TraceState(regather_params=regather_params, loss_transform=loss_transform)
+    )
     try:
         yield
     finally:
@@ -123,14 +180,12 @@ def value_and_grad(
                 full_args[num] = jax.tree_util.tree_unflatten(treedef, used)
             return fun(*full_args, **kw)
 
-        diff_fun = (
-            jax.checkpoint(marked, policy=_never_save_param_use)
-            if state.regather_params
-            else marked
-        )
+        def with_kwargs(*diff_args: Any):
+            return marked(*diff_args, **kwargs)
 
-        def inner(*diff_args: Any):
-            return diff_fun(*diff_args, **kwargs)
+        inner = state.loss_transform(with_kwargs) if state.loss_transform else with_kwargs
+        if state.regather_params:
+            inner = jax.checkpoint(inner, policy=_never_save_param_use)
 
         value, grads = jax.value_and_grad(
             inner, argnums=tuple(range(len(nums))), has_aux=has_aux, **jax_kwargs

@@ -63,3 +63,159 @@ class AutoShardingOption:
     def to_config(self) -> IntraOpConfig:
         """The planner's view of these options."""
         return IntraOpConfig(**dataclasses.asdict(self))
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _shape_2d(name: str, shape: object) -> tuple[int, int]:
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2):
+        raise InvalidArgumentError(f"{name} must be a (rows, columns) pair, got {shape!r}")
+    for entry in shape:
+        _positive_int(name, entry)
+    return (int(shape[0]), int(shape[1]))
+
+
+REMAT_MODES = ("none", "coarse_grained")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualLayerOption:
+    """Layers are the spans of the loss between `autopar.mark_pipeline_boundary()` calls.
+
+    Args:
+      remat_layer: recompute each layer's activations in the backward pass (saves memory).
+    """
+
+    remat_layer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLayerOption:
+    """Cluster the loss's forward ops into `layer_num` FLOP-balanced layers that cut few bytes.
+
+    Args:
+      layer_num: how many layers (the unit the stage DP assigns to pipeline stages).
+      remat_mode: "none", or "coarse_grained" to recompute each layer in the backward pass.
+    """
+
+    layer_num: int
+    remat_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        _positive_int("layer_num", self.layer_num)
+        if self.remat_mode not in REMAT_MODES:
+            raise InvalidArgumentError(
+                f"remat_mode must be one of {REMAT_MODES}, got {self.remat_mode!r}"
+            )
+
+
+PHYSICAL_SHAPE_SPACES = ("power_of_two", "all")
+LOGICAL_SHAPE_SPACES = ("all", "same_as_physical", "data_parallel_only", "model_parallel_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoStageOption:
+    """Let the stage DP choose layer ranges, sub-meshes and logical meshes (Alpa §5).
+
+    Args:
+      submesh_physical_shape_space: "power_of_two": (1,1),(1,2),(1,4)..(1,M) inside a host and
+        (2,M),(4,M).. whole hosts; "all": every (1,k) and (h,M).
+      submesh_logical_shape_space: which logical meshes a sub-mesh of d devices may take: "all"
+        (every factorisation), "same_as_physical", "data_parallel_only" (d,1) or
+        "model_parallel_only" (1,d).
+      stage_imbalance_tolerance: skip max-stage-latency bounds that make the slowest stage more
+        than this factor slower than the fastest (Alpa's knob); inf keeps all.
+      profile: measure each candidate stage by compiling and timing it on the devices instead of
+        predicting it with the cost model.
+    """
+
+    submesh_physical_shape_space: str = "power_of_two"
+    submesh_logical_shape_space: str = "all"
+    stage_imbalance_tolerance: float = math.inf
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.submesh_physical_shape_space not in PHYSICAL_SHAPE_SPACES:
+            raise InvalidArgumentError(
+                f"submesh_physical_shape_space must be one of {PHYSICAL_SHAPE_SPACES}, got "
+                f"{self.submesh_physical_shape_space!r}"
+            )
+        if self.submesh_logical_shape_space not in LOGICAL_SHAPE_SPACES:
+            raise InvalidArgumentError(
+                f"submesh_logical_shape_space must be one of {LOGICAL_SHAPE_SPACES}, got "
+                f"{self.submesh_logical_shape_space!r}"
+            )
+        tolerance = self.stage_imbalance_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or tolerance < 1:
+            raise InvalidArgumentError(
+                f"stage_imbalance_tolerance must be a number >= 1, got {tolerance!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformStageOption:
+    """`num_stages` stages of equally many layers on equal sub-meshes.
+
+    Args:
+      num_stages: how many stages (None: as many as layers).
+      submesh_logical_shape: each stage's logical mesh (None: let the ILP's mesh be 1D).
+    """
+
+    num_stages: int | None = None
+    submesh_logical_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages is not None:
+            _positive_int("num_stages", self.num_stages)
+        if self.submesh_logical_shape is not None:
+            object.__setattr__(
+                self,
+                "submesh_logical_shape",
+                _shape_2d("submesh_logical_shape", self.submesh_logical_shape),
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualStageOption:
+    """Stages given by hand: stage i runs layers `forward_stage_layer_ids[i]` (consecutive, in
+    order, covering every layer once) on a sub-mesh of physical shape
+    `submesh_physical_shapes[i]` (hosts, devices per host) seen as logical mesh
+    `submesh_logical_shapes[i]`. The sub-meshes must cover the cluster's devices exactly."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    submesh_physical_shapes: tuple[tuple[int, int], ...]
+    submesh_logical_shapes: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        ids = tuple(tuple(int(i) for i in stage) for stage in self.forward_stage_layer_ids)
+        physical = tuple(
+            _shape_2d("submesh_physical_shapes", s) for s in self.submesh_physical_shapes
+        )
+        logical = tuple(_shape_2d("submesh_logical_shapes", s) for s in self.submesh_logical_shapes)
+        if not ids or len({len(ids), len(physical), len(logical)}) != 1:
+            raise InvalidArgumentError(
+                "forward_stage_layer_ids, submesh_physical_shapes and submesh_logical_shapes need "
+                f"one entry per stage; got {len(ids)}, {len(physical)} and {len(logical)}"
+            )
+        flat = [i for stage in ids for i in stage]
+        if any(not stage for stage in ids) or flat != list(range(len(flat))):
+            raise InvalidArgumentError(
+                "forward_stage_layer_ids must split layers 0..L-1 into non-empty consecutive "
+                f"runs in order, got {ids}"
+            )
+        for i, (p, q) in enumerate(zip(physical, logical, strict=True)):
+            if p[0] * p[1] != q[0] * q[1]:
+                raise InvalidArgumentError(
+                    f"stage {i}: logical mesh {q} has {q[0] * q[1]} devices but its sub-mesh "
+                    f"{p} has {p[0] * p[1]}"
+                )
+        object.__setattr__(self, "forward_stage_layer_ids", ids)
+        object.__setattr__(self, "submesh_physical_shapes", physical)
+        object.__setattr__(self, "submesh_logical_shapes", logical)
+
+
+LayerOption = ManualLayerOption | AutoLayerOption
+StageOption = AutoStageOption | UniformStageOption | ManualStageOption

@@ -8,6 +8,7 @@ the rematerialisation that keeps memory low. Node ids of `planner.graph` refer t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import re
@@ -18,7 +19,9 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from autopar.layering import layered
 from autopar.markers import tracing_scope
+from autopar.options import LayerOption
 from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.graph import TensorInfo, build_graph, inlined_body, is_checkpoint
 from autopar.planner.program import Program, StepSignature
@@ -196,11 +199,13 @@ def trace_step(
     donate_argnums: tuple[int, ...],
     regather_params: bool,
     num_micro_batches: int = 1,
+    layer_option: LayerOption | None = None,
 ) -> TracedStep:
     """Trace `fun(*args)` (arrays or ShapeDtypeStructs) to a TracedStep.
 
     With `num_micro_batches` k > 1 the step is traced on micro-batches (batch dim divided by k),
-    since that is the shape its gradient part runs on.
+    since that is the shape its gradient part runs on. With a `layer_option` the losses that
+    `autopar.grad` differentiates are cut into layers with boundary markers (`layering`).
     """
     names = argument_names(fun, len(args))
     for i in batch_argnums:
@@ -228,7 +233,8 @@ def trace_step(
         return leaves
 
     try:
-        with tracing_scope(regather_params=regather_params):
+        transform = functools.partial(layered, option=layer_option) if layer_option else None
+        with tracing_scope(regather_params=regather_params, loss_transform=transform):
             raw = jax.make_jaxpr(traced)(*in_avals)
     except _TRACER_ERRORS as e:
         first_line = str(e).strip().splitlines()[0]

@@ -10,8 +10,8 @@ Groups whose structure and neighbourhood are identical (the same layer repeated)
 *class*, found by Weisfeiler-Lehman hashing of the op graph; the ILP gives a class one set of
 strategy variables, so a 24-layer model costs about as much to solve as a few layers.
 
-Identity markers that pass many values through (`autopar_grad_boundary`, `optimization_barrier`)
-are transparent: their outputs are their operands' values.
+Identity markers that pass many values through (the gradient and layer boundaries,
+`optimization_barrier`) are transparent: their outputs are their operands' values.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
 from autopar.planner.strategy import FOLLOW_RULES, LEADER_RULES
 
-TRANSPARENT = (GRAD_BOUNDARY, "optimization_barrier")
+TRANSPARENT = (GRAD_BOUNDARY, LAYER_BOUNDARY, PIPELINE_BOUNDARY, "optimization_barrier")
 # Params that name *which* value an op is about, not what it does: layers that differ only in
 # them are the same layer.
 _IDENTITY_PARAMS = {PARAM_USE: frozenset({"index"})}

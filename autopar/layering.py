@@ -1,0 +1,96 @@
+"""Cut a loss function into layers before differentiating it (Alpa's layer construction).
+
+`layered(loss, option)` returns a function with the same signature and values. It traces the loss
+to a jaxpr, assigns each eqn to a layer (`planner.layers`: the user's boundary markers or FLOP
+clustering) and replays the eqns layer by layer, passing the values that cross into layer k
+through an ``autopar_layer_boundary[layer=k]`` marker, and the loss's results through one with
+k = the number of layers. Differentiating the result leaves matching
+markers on the tangents and cotangents, which is where the step is cut into forward and backward
+stages. With rematerialisation each layer runs under `jax.checkpoint`, so the backward pass
+recomputes the layer's activations from its inputs instead of keeping them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+
+from autopar.markers import layer_boundary_p
+from autopar.options import AutoLayerOption, LayerOption, ManualLayerOption
+from autopar.planner.layers import cluster_layers, crossing_values, eqn_order, manual_layers
+from autopar.runtime.interpreter import bind_eqn, read
+
+
+def layer_assignment(closed: ClosedJaxpr, option: LayerOption) -> list[int]:
+    """Layer index of each eqn of the loss's jaxpr under `option` (-1: a boundary marker)."""
+    if isinstance(option, ManualLayerOption):
+        return manual_layers(closed.jaxpr)
+    return cluster_layers(closed.jaxpr, option.layer_num)
+
+
+def _remat(option: LayerOption) -> bool:
+    if isinstance(option, AutoLayerOption):
+        return option.remat_mode == "coarse_grained"
+    return option.remat_layer
+
+
+def _run_eqns(eqns: Sequence[JaxprEqn], env: dict[Any, Any]) -> None:
+    for eqn in eqns:
+        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, v) for v in eqn.invars]), strict=True))
+
+
+def _run_layer_remat(eqns: Sequence[JaxprEqn], env: dict[Any, Any], keep: Sequence[Var]) -> None:
+    """Run a layer under `jax.checkpoint`: only its inputs are saved for the backward pass."""
+    defined = {v for eqn in eqns for v in eqn.outvars}
+    inputs = list(
+        dict.fromkeys(
+            v for eqn in eqns for v in eqn.invars if isinstance(v, Var) and v not in defined
+        )
+    )
+
+    @jax.checkpoint
+    def layer(*values: Any) -> list[Any]:
+        local = dict(zip(inputs, values, strict=True))
+        _run_eqns(eqns, local)
+        return [local[v] for v in keep]
+
+    env.update(zip(keep, layer(*(env[v] for v in inputs)), strict=True))
+
+
+def _replay(closed: ClosedJaxpr, layer_of: list[int], remat: bool, args: Sequence[Any]) -> list:
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    crossing = crossing_values(jaxpr, layer_of)
+    layers = eqn_order(jaxpr, layer_of)
+    outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    for k, eqns in enumerate(layers):
+        if k > 0:
+            values = layer_boundary_p.bind(*(env[v] for v in crossing[k]), layer=k, kind="forward")
+            env.update(zip(crossing[k], values, strict=True))
+        if remat:
+            later = set(crossing[k + 1]) if k + 1 < len(layers) else set()
+            defined = [v for eqn in eqns for v in eqn.outvars]
+            _run_layer_remat(eqns, env, [v for v in defined if v in later or v in outputs])
+        else:
+            _run_eqns(eqns, env)
+    # A last boundary on the loss's results ends the last layer's forward pass; its transpose
+    # starts the backward pass.
+    return layer_boundary_p.bind(
+        *(read(env, v) for v in jaxpr.outvars), layer=len(layers), kind="forward"
+    )
+
+
+def layered(fun: Callable, option: LayerOption) -> Callable:
+    """`fun` cut into layers with boundary markers between them (see the module docstring)."""
+
+    def run(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        layer_of = layer_assignment(closed, option)
+        flat = _replay(closed, layer_of, _remat(option), jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+
+    return run
