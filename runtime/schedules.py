@@ -1,0 +1,275 @@
+"""Pipeline schedules as explicit clock tables that every executor iterates.
+
+A pipelined step has n stages on n meshes (forward stage i and its backward both run on mesh i)
+and m micro-batches. A schedule is one task order per mesh; its table is the synchronous simulation
+of those orders: every task takes one clock, and at each clock each mesh runs its next task if all
+of the task's dependencies ran at earlier clocks, else it idles. After the compute clocks comes one
+clock in which every mesh applies its accumulated gradients.
+
+Both schedules take 2(n+m-1) compute clocks (REFERENCE.md "Schedules"): GPipe keeps all m
+micro-batches in flight on every mesh, 1F1B (PipeDream-flush) at most n-i on mesh i.
+
+>>> print(make_schedule("1f1b", 2, 3).to_text())
+1f1b: 2 stages, 3 micro-batches, 8 compute clocks + 1 apply clock
+mesh 0: F0 F1 .  B0 F2 B1 .  B2 A
+mesh 1: .  F0 B0 F1 B1 F2 B2 .  A
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from collections.abc import Callable, Sequence
+
+from autopar.planner.errors import InvalidArgumentError
+
+
+class TaskKind(enum.Enum):
+    """What a mesh does in one clock."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    APPLY = "apply"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Task:
+    """One clock of work on mesh `stage`; APPLY has no micro-batch, the others need one."""
+
+    kind: TaskKind
+    stage: int
+    micro_batch: int | None
+
+    def __post_init__(self) -> None:
+        if (self.kind is TaskKind.APPLY) != (self.micro_batch is None):
+            raise ValueError(
+                f"{self.kind.value} task of stage {self.stage} has micro_batch={self.micro_batch}; "
+                "apply tasks take None, forward and backward tasks a micro-batch index"
+            )
+
+    def __str__(self) -> str:
+        if self.kind is TaskKind.APPLY:
+            return f"apply(stage={self.stage})"
+        return f"{self.kind.value}(stage={self.stage}, micro_batch={self.micro_batch})"
+
+
+def _dependencies(task: Task, num_stages: int, num_micro_batches: int) -> tuple[Task, ...]:
+    """Tasks whose outputs `task` reads: activations flow up the stages, gradients down."""
+    stage, micro_batch = task.stage, task.micro_batch
+    if task.kind is TaskKind.FORWARD:
+        return (Task(TaskKind.FORWARD, stage - 1, micro_batch),) if stage > 0 else ()
+    if task.kind is TaskKind.BACKWARD:
+        own_forward = Task(TaskKind.FORWARD, stage, micro_batch)
+        if stage == num_stages - 1:
+            return (own_forward,)
+        return (own_forward, Task(TaskKind.BACKWARD, stage + 1, micro_batch))
+    return tuple(Task(TaskKind.BACKWARD, stage, j) for j in range(num_micro_batches))
+
+
+def _all_tasks(num_stages: int, num_micro_batches: int) -> set[Task]:
+    """Every task a complete schedule runs exactly once."""
+    tasks = {Task(TaskKind.APPLY, i, None) for i in range(num_stages)}
+    for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+        tasks.update(Task(kind, i, j) for i in range(num_stages) for j in range(num_micro_batches))
+    return tasks
+
+
+def _cell(task: Task | None) -> str:
+    if task is None:
+        return "."
+    if task.kind is TaskKind.APPLY:
+        return "A"
+    return f"{task.kind.value[0].upper()}{task.micro_batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """`clocks[t][mesh]` is the task mesh runs at clock t (None: idle); the last clock applies."""
+
+    name: str
+    num_stages: int
+    num_micro_batches: int
+    clocks: tuple[tuple[Task | None, ...], ...]
+
+    @property
+    def num_compute_clocks(self) -> int:
+        """Clocks of forward and backward work, i.e. all but the apply clock."""
+        return len(self.clocks) - 1
+
+    def _check_mesh(self, mesh: int) -> None:
+        if not 0 <= mesh < self.num_stages:
+            raise InvalidArgumentError(
+                f"mesh={mesh} is out of range for a schedule of {self.num_stages} stages"
+            )
+
+    def tasks_of_mesh(self, mesh: int) -> list[Task]:
+        """The tasks mesh runs, in clock order: what one mesh's worker executes."""
+        self._check_mesh(mesh)
+        return [row[mesh] for row in self.clocks if row[mesh] is not None]
+
+    def max_in_flight(self, mesh: int) -> int:
+        """Most micro-batches forwarded but not yet backwarded on mesh: its activations' memory."""
+        in_flight = peak = 0
+        for task in self.tasks_of_mesh(mesh):
+            if task.kind is TaskKind.FORWARD:
+                in_flight += 1
+                peak = max(peak, in_flight)
+            elif task.kind is TaskKind.BACKWARD:
+                in_flight -= 1
+        return peak
+
+    def dependencies(self, task: Task) -> tuple[Task, ...]:
+        """Tasks that must finish before `task` starts (an executor waits on their outputs)."""
+        return _dependencies(task, self.num_stages, self.num_micro_batches)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every task runs once, on its own mesh, after its dependencies."""
+        n, m = self.num_stages, self.num_micro_batches
+        if not self.clocks or self.clocks[-1] != tuple(
+            Task(TaskKind.APPLY, i, None) for i in range(n)
+        ):
+            raise ValueError(f"{self.name}: the last clock must be apply(stage=i) on every mesh i")
+        expected = _all_tasks(n, m)
+        clock_of: dict[Task, int] = {}
+        for clock, row in enumerate(self.clocks):
+            if len(row) != n:
+                raise ValueError(f"{self.name}: clock {clock} has {len(row)} meshes, expected {n}")
+            for mesh, task in enumerate(row):
+                if task is None:
+                    continue
+                if task.stage != mesh:
+                    raise ValueError(f"{self.name}: {task} runs on mesh {mesh} at clock {clock}")
+                if task not in expected:
+                    raise ValueError(
+                        f"{self.name}: {task} at clock {clock} is not a task of {m} micro-batches"
+                    )
+                if task in clock_of:
+                    raise ValueError(
+                        f"{self.name}: {task} runs twice, at clocks {clock_of[task]} and {clock}"
+                    )
+                clock_of[task] = clock
+        missing = expected - clock_of.keys()
+        if missing:
+            first = min(missing, key=lambda t: (t.stage, t.kind.value, t.micro_batch or 0))
+            raise ValueError(f"{self.name}: {len(missing)} tasks never run, e.g. {first}")
+        for task, clock in clock_of.items():
+            for dep in self.dependencies(task):
+                if clock_of[dep] >= clock:
+                    raise ValueError(
+                        f"{self.name}: {task} runs at clock {clock} but its dependency {dep} "
+                        f"runs at clock {clock_of[dep]}"
+                    )
+
+    def to_text(self, max_width: int = 100) -> str:
+        """A grid (rows: meshes, columns: clocks) for plan summaries; wide tables keep both ends.
+
+        Lines stay within `max_width` characters by eliding middle clocks as "...", but always
+        show at least the first clock, the last compute clock and the apply clock.
+        """
+        cell_width = max(len(_cell(task)) for row in self.clocks for task in row)
+        label_width = len(f"mesh {self.num_stages - 1}: ")
+        fits = max(4, (max_width - label_width) // (cell_width + 1))
+        columns: list[int | None] = list(range(len(self.clocks)))
+        if len(columns) > fits:
+            head = (fits - 1) // 2
+            columns = [*columns[:head], None, *columns[head + 1 - fits :]]
+        lines = [
+            f"{self.name}: {self.num_stages} stages, {self.num_micro_batches} micro-batches, "
+            f"{self.num_compute_clocks} compute clocks + 1 apply clock"
+        ]
+        for mesh in range(self.num_stages):
+            cells = [
+                "..." if t is None else _cell(self.clocks[t][mesh]).ljust(cell_width)
+                for t in columns
+            ]
+            lines.append(f"mesh {mesh}: ".ljust(label_width) + " ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _check_count(argument: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgumentError(f"{argument}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: int) -> Schedule:
+    """The clock table of per-mesh task orders, each task running as early as its order allows."""
+    num_stages = len(orders)
+    clock_of: dict[Task, int] = {}
+    position = [0] * num_stages
+    clocks: list[tuple[Task | None, ...]] = []
+    while any(p < len(order) for p, order in zip(position, orders, strict=True)):
+        clock = len(clocks)
+        row: list[Task | None] = [None] * num_stages
+        for mesh, order in enumerate(orders):
+            if position[mesh] == len(order):
+                continue
+            task = order[position[mesh]]
+            deps = _dependencies(task, num_stages, num_micro_batches)
+            # A dependency not yet in clock_of has not run; default it to "now", which is too late.
+            if all(clock_of.get(dep, clock) < clock for dep in deps):
+                row[mesh] = task
+        if not any(row):
+            raise RuntimeError(f"{name}: per-mesh task orders deadlock at clock {clock}")
+        for mesh, task in enumerate(row):
+            if task is not None:
+                clock_of[task] = clock
+                position[mesh] += 1
+        clocks.append(tuple(row))
+    clocks.append(tuple(Task(TaskKind.APPLY, i, None) for i in range(num_stages)))
+    schedule = Schedule(name, num_stages, num_micro_batches, tuple(clocks))
+    schedule.validate()
+    return schedule
+
+
+def _gpipe_order(stage: int, num_micro_batches: int) -> list[Task]:
+    return [Task(TaskKind.FORWARD, stage, j) for j in range(num_micro_batches)] + [
+        Task(TaskKind.BACKWARD, stage, j) for j in range(num_micro_batches)
+    ]
+
+
+def _one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> list[Task]:
+    warmup = min(num_stages - stage - 1, num_micro_batches)
+    order = [Task(TaskKind.FORWARD, stage, j) for j in range(warmup)]
+    for j in range(num_micro_batches - warmup):
+        order += [Task(TaskKind.FORWARD, stage, warmup + j), Task(TaskKind.BACKWARD, stage, j)]
+    order += [
+        Task(TaskKind.BACKWARD, stage, j)
+        for j in range(num_micro_batches - warmup, num_micro_batches)
+    ]
+    return order
+
+
+def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
+    """All forwards as a wavefront, then all backwards from the last stage: simple, m in flight.
+
+    Mesh i runs forward j at clock i+j and backward j at clock (n+m-1) + (n-1-i) + j.
+    """
+    n = _check_count("num_stages", num_stages)
+    m = _check_count("num_micro_batches", num_micro_batches)
+    return _simulate("gpipe", [_gpipe_order(i, m) for i in range(n)], m)
+
+
+def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
+    """PipeDream-flush: as fast as GPipe, but at most n-i micro-batches' activations on mesh i.
+
+    Mesh i runs min(n-i-1, m) warm-up forwards, then alternates one forward and one backward, then
+    drains the remaining backwards (Alpa's PipeDreamFlush). Simulated with one clock per task, this
+    plain order already takes 2(n+m-1) compute clocks, the same as GPipe.
+    """
+    n = _check_count("num_stages", num_stages)
+    m = _check_count("num_micro_batches", num_micro_batches)
+    return _simulate("1f1b", [_one_f_one_b_order(i, n, m) for i in range(n)], m)
+
+
+_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = tuple(_BUILDERS)
+
+
+def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> Schedule:
+    """The schedule called `name` (one of SCHEDULES); the one place schedule names are parsed."""
+    builder = _BUILDERS.get(name) if isinstance(name, str) else None
+    if builder is None:
+        raise InvalidArgumentError(f"schedule name={name!r} is unknown; choose one of {SCHEDULES}")
+    return builder(num_stages, num_micro_batches)

@@ -1,0 +1,197 @@
+"""Pipeline schedules: complete, dependency-respecting clock tables of the promised length."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from autopar.planner.errors import InvalidArgumentError
+from autopar.runtime.schedules import (
+    SCHEDULES,
+    Schedule,
+    Task,
+    TaskKind,
+    _simulate,
+    make_schedule,
+)
+
+
+def F(stage, micro_batch):
+    return Task(TaskKind.FORWARD, stage, micro_batch)
+
+
+def B(stage, micro_batch):
+    return Task(TaskKind.BACKWARD, stage, micro_batch)
+
+
+def A(stage):
+    return Task(TaskKind.APPLY, stage, None)
+
+
+SIZES = [(n, m) for n in range(1, 7) for m in range(1, 10)]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("n", "m"), SIZES)
+def test_schedule_is_complete_valid_and_takes_2_n_plus_m_minus_1_clocks(name, n, m):
+    schedule = make_schedule(name, n, m)
+    schedule.validate()
+    assert schedule.num_compute_clocks == 2 * (n + m - 1)
+    assert schedule.clocks[-1] == tuple(A(i) for i in range(n))
+    compute = [task for row in schedule.clocks[:-1] for task in row if task is not None]
+    assert all(task.kind is not TaskKind.APPLY for task in compute)
+    for mesh in range(n):
+        tasks = schedule.tasks_of_mesh(mesh)
+        assert all(task.stage == mesh for task in tasks)
+        assert sorted(t.micro_batch for t in tasks if t.kind is TaskKind.FORWARD) == list(range(m))
+        assert sorted(t.micro_batch for t in tasks if t.kind is TaskKind.BACKWARD) == list(range(m))
+        assert tasks[-1] == A(mesh)
+    assert len(compute) == 2 * n * m
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_clock_count_up_to_8_stages_and_16_micro_batches(name):
+    for n in range(1, 9):
+        for m in range(1, 17):
+            assert make_schedule(name, n, m).num_compute_clocks == 2 * (n + m - 1), (n, m)
+
+
+@pytest.mark.parametrize(("n", "m"), SIZES)
+def test_in_flight_micro_batches(n, m):
+    one_f_one_b, gpipe = make_schedule("1f1b", n, m), make_schedule("gpipe", n, m)
+    for mesh in range(n):
+        assert one_f_one_b.max_in_flight(mesh) == min(n - mesh, m)
+        assert gpipe.max_in_flight(mesh) == m
+
+
+def test_gpipe_table_by_hand():
+    expected = (
+        (F(0, 0), None),
+        (F(0, 1), F(1, 0)),
+        (None, F(1, 1)),
+        (None, B(1, 0)),
+        (B(0, 0), B(1, 1)),
+        (B(0, 1), None),
+        (A(0), A(1)),
+    )
+    assert make_schedule("gpipe", 2, 2).clocks == expected
+
+
+def test_one_f_one_b_table_by_hand():
+    expected = (
+        (F(0, 0), None),
+        (F(0, 1), F(1, 0)),
+        (None, B(1, 0)),
+        (B(0, 0), F(1, 1)),
+        (F(0, 2), B(1, 1)),
+        (B(0, 1), F(1, 2)),
+        (None, B(1, 2)),
+        (B(0, 2), None),
+        (A(0), A(1)),
+    )
+    schedule = make_schedule("1f1b", 2, 3)
+    assert schedule.clocks == expected
+    assert schedule.to_text() == (
+        "1f1b: 2 stages, 3 micro-batches, 8 compute clocks + 1 apply clock\n"
+        "mesh 0: F0 F1 .  B0 F2 B1 .  B2 A\n"
+        "mesh 1: .  F0 B0 F1 B1 F2 B2 .  A"
+    )
+
+
+def test_dependencies():
+    schedule = make_schedule("1f1b", 3, 2)
+    assert schedule.dependencies(F(0, 1)) == ()
+    assert schedule.dependencies(F(2, 1)) == (F(1, 1),)
+    assert schedule.dependencies(B(1, 0)) == (F(1, 0), B(2, 0))
+    assert schedule.dependencies(B(2, 0)) == (F(2, 0),)
+    assert schedule.dependencies(A(1)) == (B(1, 0), B(1, 1))
+
+
+def _with_cell(schedule, clock, mesh, task):
+    rows = [list(row) for row in schedule.clocks]
+    rows[clock][mesh] = task
+    return dataclasses.replace(schedule, clocks=tuple(tuple(row) for row in rows))
+
+
+def _swapped_on_mesh_0(schedule, clock_a, clock_b):
+    rows = [list(row) for row in schedule.clocks]
+    rows[clock_a][0], rows[clock_b][0] = rows[clock_b][0], rows[clock_a][0]
+    return dataclasses.replace(schedule, clocks=tuple(tuple(row) for row in rows))
+
+
+GOOD = make_schedule("1f1b", 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (
+            _swapped_on_mesh_0(GOOD, 0, 1),
+            r"forward\(stage=1, micro_batch=0\) runs at clock 1 but its dependency "
+            r"forward\(stage=0, micro_batch=0\) runs at clock 1",
+        ),
+        (_swapped_on_mesh_0(GOOD, 3, 2), r"backward\(stage=0, micro_batch=0\) runs at clock 2"),
+        (_with_cell(GOOD, 2, 0, F(1, 2)), r"forward\(stage=1, micro_batch=2\) runs on mesh 0"),
+        (_with_cell(GOOD, 2, 0, F(0, 1)), r"forward\(stage=0, micro_batch=1\) runs twice"),
+        (_with_cell(GOOD, 2, 0, F(0, 3)), r"is not a task of 3 micro-batches"),
+        (_with_cell(GOOD, 7, 0, None), r"1 tasks never run, e.g. backward\(stage=0, micro_batch=2"),
+        (_with_cell(GOOD, 8, 1, None), "the last clock must be apply"),
+        (
+            dataclasses.replace(GOOD, clocks=GOOD.clocks[:1] + ((None,),) + GOOD.clocks[1:]),
+            "clock 1 has 1 meshes, expected 2",
+        ),
+    ],
+)
+def test_validate_rejects_broken_tables(broken, message):
+    with pytest.raises(ValueError, match=message):
+        broken.validate()
+
+
+def test_simulation_reports_deadlock_instead_of_hanging():
+    orders = [[B(0, 0), F(0, 0)], [F(1, 0), B(1, 0)]]
+    with pytest.raises(RuntimeError, match="deadlock at clock 0"):
+        _simulate("broken", orders, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("zero-bubble", 2, 2), r"schedule name='zero-bubble' is unknown; choose one of \('gpipe'"),
+        (("1f1b", 0, 2), "num_stages=0 must be a positive integer"),
+        (("gpipe", 2, -1), "num_micro_batches=-1 must be a positive integer"),
+        (("1f1b", 2.0, 2), "num_stages=2.0 must be a positive integer"),
+        (("1f1b", 2, True), "num_micro_batches=True must be a positive integer"),
+    ],
+)
+def test_bad_arguments_name_the_argument(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        make_schedule(*args)
+
+
+def test_numpy_integers_are_accepted():
+    assert make_schedule("gpipe", np.int64(2), np.int32(3)) == make_schedule("gpipe", 2, 3)
+
+
+def test_bad_task_and_mesh():
+    with pytest.raises(ValueError, match="apply tasks take None"):
+        Task(TaskKind.FORWARD, 0, None)
+    with pytest.raises(InvalidArgumentError, match="mesh=2 is out of range"):
+        GOOD.tasks_of_mesh(2)
+
+
+def test_wide_tables_are_truncated_to_the_width():
+    schedule = make_schedule("1f1b", 16, 1024)
+    assert schedule.num_compute_clocks == 2 * (16 + 1024 - 1)
+    assert [schedule.max_in_flight(i) for i in range(16)] == list(range(16, 0, -1))
+    lines = schedule.to_text(max_width=80).splitlines()
+    assert len(lines) == 17
+    assert all(len(line) <= 80 and " ... " in line for line in lines[1:])
+    assert lines[1].startswith("mesh 0:  F0 ") and lines[1].endswith(" B1023 A")
+    assert lines[16].startswith("mesh 15: .  ")
+
+
+def test_schedule_is_plain_frozen_data():
+    assert isinstance(GOOD, Schedule)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GOOD.name = "gpipe"
+    assert hash(GOOD) == hash(make_schedule("1f1b", 2, 3))
