@@ -1,0 +1,649 @@
+"""Inter-operator pass: slice the layers into pipeline stages on device sub-meshes (Alpa §5).
+
+A stage is a contiguous run of layers placed on a sub-mesh of the cluster (part of one host, or
+whole hosts) that the intra-op pass sees as a 2-D logical mesh. `solve_stages` searches every
+such plan with Alpa's dynamic program; `uniform_stages` and `manual_stages` cost the plans a
+user fixed. What a stage costs comes from the caller's `cost_fn` (in production the intra-op
+ILP's prediction for that layer range on that logical mesh), so this module only searches.
+
+A plan of stages with latencies t_1..t_S runs B micro-batches in Σ t + (B−1)·max t. Memory
+follows 1F1B: a stage with s stages after it keeps s+1 micro-batches of activations alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from autopar.planner.errors import InvalidArgumentError, PlanningError
+
+if TYPE_CHECKING:
+    from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
+
+logger = logging.getLogger(__name__)
+
+PHYSICAL_SPACES = ("power_of_two", "all")
+LOGICAL_SPACES = ("all", "same_as_physical", "data_parallel_only", "model_parallel_only")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageCost:
+    """What one candidate stage costs; memory is per device."""
+
+    latency_s: float  # one micro-batch, forward + backward
+    static_memory_bytes: float  # parameters, gradients and optimizer state of the layer range
+    activation_memory_bytes: float  # activations stashed per micro-batch in flight
+
+
+CostFn = Callable[[int, int, tuple[int, int], tuple[int, int]], StageCost | None]
+"""cost_fn(start, end, submesh_physical_shape, logical_mesh_shape) for layers [start, end); None
+when that candidate cannot run (e.g. shapes that do not divide)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """Layers [start, end) on a (hosts, devices per host) sub-mesh seen as `logical_mesh`."""
+
+    layers: tuple[int, int]
+    submesh: tuple[int, int]
+    logical_mesh: tuple[int, int]
+    cost: StageCost
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageSolution:
+    """Stages in pipeline order and the step time Σ t + (B−1)·max t they predict."""
+
+    stages: tuple[StageAssignment, ...]
+    step_latency_s: float
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
+    _check_positive_int("num_hosts", num_hosts)
+    _check_positive_int("devices_per_host", devices_per_host)
+
+
+def submesh_shapes(
+    num_hosts: int, devices_per_host: int, space: str = "power_of_two"
+) -> list[tuple[int, int]]:
+    """Alpa's sub-mesh shapes: slices of one host, then runs of whole hosts.
+
+    "power_of_two": (1,1),(1,2),(1,4),..,(1,M); "all": every (1,k); both then (2,M)..(N,M).
+    Keeping slices inside a host keeps a stage's collectives on the fast intra-host links.
+    """
+    _check_cluster(num_hosts, devices_per_host)
+    if space not in PHYSICAL_SPACES:
+        raise InvalidArgumentError(f"space must be one of {PHYSICAL_SPACES}, got {space!r}")
+    if space == "all":
+        widths = list(range(1, devices_per_host + 1))
+    else:
+        widths = [2**k for k in range(devices_per_host.bit_length()) if 2**k < devices_per_host]
+        widths.append(devices_per_host)
+    return [(1, k) for k in widths] + [(h, devices_per_host) for h in range(2, num_hosts + 1)]
+
+
+def logical_mesh_shapes(submesh: tuple[int, int], space: str = "all") -> list[tuple[int, int]]:
+    """The 2-D logical meshes the intra-op pass may view a sub-mesh of d devices as."""
+    devices = submesh[0] * submesh[1]
+    if space == "all":
+        return [(a, devices // a) for a in range(1, devices + 1) if devices % a == 0]
+    if space == "same_as_physical":
+        return [tuple(submesh)]
+    if space == "data_parallel_only":
+        return [(devices, 1)]
+    if space == "model_parallel_only":
+        return [(1, devices)]
+    raise InvalidArgumentError(f"space must be one of {LOGICAL_SPACES}, got {space!r}")
+
+
+def place_submeshes(
+    submeshes: Sequence[tuple[int, int]], num_hosts: int, devices_per_host: int
+) -> list[tuple[int, ...]]:
+    """Device indices (host * devices_per_host + local) of each stage's sub-mesh, in stage order.
+
+    Whole-host meshes (h, M) take consecutive hosts first; then slices (1, k), largest first,
+    go to the first host with k free devices. Raises InvalidArgumentError when the shapes do
+    not tile the cluster.
+    """
+    _check_cluster(num_hosts, devices_per_host)
+    shapes = [tuple(int(x) for x in s) for s in submeshes]
+    for shape in shapes:
+        in_one_host = shape[0] == 1 and 1 <= shape[1] <= devices_per_host
+        if not (in_one_host or (shape[0] >= 1 and shape[1] == devices_per_host)):
+            raise InvalidArgumentError(
+                f"sub-mesh {shape} is neither part of one host (1, k<={devices_per_host}) nor "
+                f"whole hosts (h, {devices_per_host})"
+            )
+    covered, total = sum(h * k for h, k in shapes), num_hosts * devices_per_host
+    if covered != total:
+        raise InvalidArgumentError(
+            f"sub-meshes {shapes} cover {covered} devices but the cluster has {total} "
+            f"({num_hosts} hosts x {devices_per_host} devices)"
+        )
+    placed: list[tuple[int, ...]] = [()] * len(shapes)
+    used = [0] * num_hosts  # devices taken on each host
+    next_host = 0
+    for i, (hosts, width) in enumerate(shapes):
+        if width == devices_per_host:
+            placed[i] = tuple(range(next_host * width, (next_host + hosts) * width))
+            used[next_host : next_host + hosts] = [width] * hosts
+            next_host += hosts
+    slices = [i for i, shape in enumerate(shapes) if shape[1] < devices_per_host]
+    for i in sorted(slices, key=lambda i: -shapes[i][1]):
+        width = shapes[i][1]
+        host = next((h for h in range(num_hosts) if used[h] + width <= devices_per_host), None)
+        if host is None:
+            raise InvalidArgumentError(
+                f"sub-meshes {shapes} cannot be packed into {num_hosts} hosts of "
+                f"{devices_per_host} devices: no host has {width} free devices for stage {i}"
+            )
+        start = host * devices_per_host + used[host]
+        placed[i] = tuple(range(start, start + width))
+        used[host] += width
+    return placed
+
+
+def _memory_need(cost: StageCost, stages_after: int) -> float:
+    """Per-device bytes under 1F1B: static state plus stages_after + 1 micro-batches of
+    activations in flight."""
+    return cost.static_memory_bytes + (stages_after + 1) * cost.activation_memory_bytes
+
+
+def _step_latency(latencies: Sequence[float], num_micro_batches: int) -> float:
+    """Pipeline step time: Σ t + (B−1)·max t (Alpa §5.1)."""
+    return sum(latencies) + (num_micro_batches - 1) * max(latencies)
+
+
+def _describe(solution: StageSolution) -> str:
+    parts = [
+        f"[{a.layers[0]},{a.layers[1]}) on {a.submesh} as {a.logical_mesh}" for a in solution.stages
+    ]
+    noun = "stage" if len(parts) == 1 else "stages"
+    return f"{len(parts)} {noun}, step {solution.step_latency_s:.4g} s: " + "; ".join(parts)
+
+
+def _check_common(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    device_memory: float,
+) -> None:
+    _check_positive_int("num_layers", num_layers)
+    _check_cluster(num_hosts, devices_per_host)
+    _check_positive_int("num_micro_batches", num_micro_batches)
+    if isinstance(device_memory, bool) or not isinstance(device_memory, numbers.Real):
+        raise InvalidArgumentError(f"device_memory must be a number, got {device_memory!r}")
+    if not device_memory > 0:
+        raise InvalidArgumentError(f"device_memory must be positive, got {device_memory!r}")
+
+
+def _fixed_solution(
+    ranges: Sequence[tuple[int, int]],
+    submeshes: Sequence[tuple[int, int]],
+    logicals: Sequence[tuple[int, int]],
+    num_micro_batches: int,
+    cost_fn: CostFn,
+    device_memory: float,
+) -> StageSolution:
+    """Cost a plan the user fixed; PlanningError if a stage cannot run or does not fit."""
+    stages = []
+    for i, (layers, submesh, logical) in enumerate(zip(ranges, submeshes, logicals, strict=True)):
+        cost = cost_fn(layers[0], layers[1], submesh, logical)
+        if cost is None:
+            raise PlanningError(
+                f"stage {i} (layers [{layers[0]},{layers[1]}) on sub-mesh {submesh} as logical "
+                f"mesh {logical}) cannot run: cost_fn rejected it"
+            )
+        after = len(ranges) - 1 - i
+        need = _memory_need(cost, after)
+        if need > device_memory:
+            raise PlanningError(
+                f"stage {i} (layers [{layers[0]},{layers[1]}) on {submesh}) needs {need:.4g} "
+                f"bytes per device with {after + 1} micro-batches in flight, but devices have "
+                f"{device_memory:.4g}"
+            )
+        stages.append(StageAssignment(tuple(layers), tuple(submesh), tuple(logical), cost))
+    step = _step_latency([a.cost.latency_s for a in stages], num_micro_batches)
+    solution = StageSolution(tuple(stages), step)
+    logger.info("stage plan: %s", _describe(solution))
+    return solution
+
+
+def _even_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges as even as possible; the first stages take the extra layers."""
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (i < extra) for i in range(num_stages)]
+    ends = itertools.accumulate(sizes)
+    return [(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+
+
+def _even_submesh(num_hosts: int, devices_per_host: int, num_stages: int) -> tuple[int, int]:
+    """One of num_stages equal sub-meshes: whole hosts or an equal slice of every host."""
+    devices = num_hosts * devices_per_host
+    per_stage, rest = divmod(devices, num_stages)
+    if rest == 0 and per_stage % devices_per_host == 0:
+        return (per_stage // devices_per_host, devices_per_host)
+    if rest == 0 and devices_per_host % per_stage == 0:
+        return (1, per_stage)
+    raise InvalidArgumentError(
+        f"cannot split {devices} devices ({num_hosts} hosts x {devices_per_host}) into "
+        f"num_stages={num_stages} equal sub-meshes of whole hosts or equal slices of a host"
+    )
+
+
+def uniform_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost_fn: CostFn,
+    device_memory: float,
+    option: UniformStageOption,
+) -> StageSolution:
+    """Equal layer counts on equal sub-meshes, for users who want a fixed, simple pipeline."""
+    _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
+    num_stages = num_layers if option.num_stages is None else option.num_stages
+    if num_stages > num_layers:
+        raise InvalidArgumentError(
+            f"num_stages={num_stages} is more than the {num_layers} layers; each stage needs one"
+        )
+    submesh = _even_submesh(num_hosts, devices_per_host, num_stages)
+    logical = option.submesh_logical_shape or submesh
+    if logical[0] * logical[1] != submesh[0] * submesh[1]:
+        raise InvalidArgumentError(
+            f"submesh_logical_shape {logical} has {logical[0] * logical[1]} devices but each of "
+            f"the {num_stages} stages gets a {submesh} sub-mesh of {submesh[0] * submesh[1]}"
+        )
+    ranges = _even_ranges(num_layers, num_stages)
+    return _fixed_solution(
+        ranges,
+        [submesh] * num_stages,
+        [logical] * num_stages,
+        num_micro_batches,
+        cost_fn,
+        device_memory,
+    )
+
+
+def manual_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost_fn: CostFn,
+    device_memory: float,
+    option: ManualStageOption,
+) -> StageSolution:
+    """The user's stages, checked against this cluster and model, with their predicted cost."""
+    _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
+    layer_ids = option.forward_stage_layer_ids
+    given = sum(len(ids) for ids in layer_ids)
+    if given != num_layers:
+        raise InvalidArgumentError(
+            f"forward_stage_layer_ids assign {given} layers but the model has {num_layers}"
+        )
+    place_submeshes(option.submesh_physical_shapes, num_hosts, devices_per_host)
+    ranges = [(ids[0], ids[-1] + 1) for ids in layer_ids]
+    return _fixed_solution(
+        ranges,
+        option.submesh_physical_shapes,
+        option.submesh_logical_shapes,
+        num_micro_batches,
+        cost_fn,
+        device_memory,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage DP (Alpa §5): arrays and plain loops, no option objects.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+    """Every (layer range, sub-mesh, logical mesh) stage, as arrays indexed
+    [start, length - 1, submesh, logical].
+
+    latency is inf where cost_fn said None (or the range runs past the last layer); max_after is
+    the most stages that may follow the stage within device memory (-1: it never fits).
+    """
+
+    cluster: tuple[int, int]
+    submeshes: tuple[tuple[int, int], ...]
+    logicals: tuple[tuple[tuple[int, int], ...], ...]
+    latency: np.ndarray
+    max_after: np.ndarray
+    costs: dict[tuple[int, int, int, int], StageCost]
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster[0] * self.cluster[1]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.array([h * k for h, k in self.submeshes])
+
+
+def _collect(
+    num_layers: int,
+    cluster: tuple[int, int],
+    submeshes: list[tuple[int, int]],
+    logical_space: str,
+    cost_fn: CostFn,
+    device_memory: float,
+    max_stages: int,
+) -> _Candidates:
+    """Ask cost_fn once for every candidate stage; tabulate latency and memory headroom."""
+    logicals = tuple(tuple(logical_mesh_shapes(m, logical_space)) for m in submeshes)
+    shape = (num_layers, num_layers, len(submeshes), max(map(len, logicals)))
+    latency = np.full(shape, np.inf)
+    static = np.full(shape, np.inf)
+    activation = np.zeros(shape)
+    costs = {}
+    for start in range(num_layers):
+        for end in range(start + 1, num_layers + 1):
+            for m, submesh in enumerate(submeshes):
+                for g, logical in enumerate(logicals[m]):
+                    cost = cost_fn(start, end, submesh, logical)
+                    if cost is None or not math.isfinite(cost.latency_s):
+                        continue
+                    key = (start, end - start - 1, m, g)
+                    costs[key] = cost
+                    latency[key] = cost.latency_s
+                    static[key] = cost.static_memory_bytes
+                    activation[key] = cost.activation_memory_bytes
+    # Fitting is monotone in the stages after, so count how many counts fit (with the
+    # expression of _memory_need, so the DP and the fixed plans' checks agree to the bit).
+    max_after = np.full(shape, -1)
+    for after in range(max_stages):
+        max_after += static + (after + 1) * activation <= device_memory
+    return _Candidates(cluster, tuple(submeshes), logicals, latency, max_after, costs)
+
+
+def _best_logical(cands: _Candidates, num_after: int, low: float, high: float) -> np.ndarray:
+    """[after, start, length - 1, submesh]: the least latency over logical meshes that fit with
+    `after` stages behind and lie in [low, high] — Alpa's trick of choosing the logical mesh
+    once per (range, sub-mesh) instead of inside the DP."""
+    inside = (cands.latency >= low) & (cands.latency <= high)
+    usable = np.where(inside, cands.latency, np.inf)
+    return np.stack(
+        [np.where(cands.max_after >= k, usable, np.inf).min(-1) for k in range(num_after)]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A DP result: stages (start, end, submesh index), their latencies, and the latency window
+    their logical meshes come from."""
+
+    stages: tuple[tuple[int, int, int], ...]
+    latencies: tuple[float, ...]
+    window: tuple[float, float]
+
+    @property
+    def latency_sum(self) -> float:
+        return sum(self.latencies)
+
+    def step(self, num_micro_batches: int) -> float:
+        return _step_latency(self.latencies, num_micro_batches)
+
+
+_Choices = list[tuple[np.ndarray, np.ndarray, float]]
+
+
+def _least_sum_dp(table: np.ndarray, sizes: np.ndarray, num_devices: int, bound: float) -> _Choices:
+    """Alpa's F(s, k, d) for one bound t_max on stage latency (§5.2).
+
+    F(s, k, d) = min over the first stage [k, k+len) on sub-mesh m of
+    table[s−1, k, len−1, m] + F(s−1, k+len, d − |m|), stages ≤ bound. Built from the last layer
+    backwards, so the first stage of F(s, ..) has s−1 stages after it, which is what its memory
+    (table[s−1]) depends on. Returns, per s, the chosen range length and sub-mesh for each
+    (k, d) and F(s, 0, all devices). Each sub-mesh only scans the range lengths some stage
+    within the bound has (a band) and the device counts it fits in.
+    """
+    num_after, num_layers, _, num_meshes = table.shape
+    longest = (table[0] <= bound).any(axis=0)  # [length - 1, submesh]: any start within bound
+    widths = np.where(longest, np.arange(1, num_layers + 1)[:, None], 0).max(axis=0)
+    prev = np.full((2 * num_layers + 1, num_devices + 1), np.inf)  # rows past L stay inf
+    prev[num_layers, 0] = 0.0
+    choices: _Choices = []
+    for s in range(1, num_after + 1):
+        starts = num_layers - s + 1
+        cur = np.full_like(prev, np.inf)
+        length_of = np.zeros((starts, num_devices + 1), dtype=np.int64)
+        mesh_of = np.zeros((starts, num_devices + 1), dtype=np.int64)
+        widest = min(int(widths.max()), starts)
+        # rest[k, d, len - 1] = F(s−1, k + len, d), a view; prev has rows to spare past L.
+        rest = sliding_window_view(prev[1 : starts + widest], widest, axis=0)
+        for m in range(num_meshes):
+            width, size = min(int(widths[m]), starts), int(sizes[m])
+            if width == 0 or size > num_devices:
+                continue
+            stage = table[s - 1, :starts, :width, m]
+            stage = np.where(stage <= bound, stage, np.inf)
+            total = stage[:, None, :] + rest[:, : num_devices + 1 - size, :width]
+            arg = total.argmin(axis=-1)
+            value = total.min(axis=-1)
+            target = cur[:starts, size:]
+            better = value < target
+            target[better] = value[better]
+            length_of[:, size:][better] = arg[better]
+            mesh_of[:, size:][better] = m
+        choices.append((length_of, mesh_of, float(cur[0, num_devices])))
+        if not np.isfinite(cur[:starts]).any():
+            break
+        prev = cur
+    return choices
+
+
+def _trace(
+    choices: _Choices, sizes: np.ndarray, num_stages: int, num_devices: int
+) -> list[tuple[int, int, int]]:
+    """The stages (start, end, submesh) of the DP's plan with num_stages stages."""
+    stages, start, devices = [], 0, num_devices
+    for s in range(num_stages, 0, -1):
+        length_of, mesh_of, _ = choices[s - 1]
+        m = int(mesh_of[start, devices])
+        end = start + int(length_of[start, devices]) + 1
+        stages.append((start, end, m))
+        start, devices = end, devices - int(sizes[m])
+    return stages
+
+
+def _evaluate(
+    cands: _Candidates, table: np.ndarray, bound: float, window: tuple[float, float]
+) -> list[_Plan]:
+    """For one bound on stage latency, the least-Σ plan of every stage count that has one."""
+    sizes, num_devices = cands.sizes, cands.num_devices
+    choices = _least_sum_dp(table, sizes, num_devices, bound)
+    plans = []
+    for num_stages, (_, _, root) in enumerate(choices, start=1):
+        if math.isfinite(root):
+            stages = _trace(choices, sizes, num_stages, num_devices)
+            latencies = tuple(
+                float(table[num_stages - 1 - k, a, b - a - 1, m])
+                for k, (a, b, m) in enumerate(stages)
+            )
+            plans.append(_Plan(tuple(stages), latencies, window))
+    return plans
+
+
+def _placeable(cands: _Candidates, plan: _Plan) -> bool:
+    try:
+        place_submeshes([cands.submeshes[m] for _, _, m in plan.stages], *cands.cluster)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _better(
+    cands: _Candidates, plans: list[_Plan], incumbent: _Plan | None, num_micro_batches: int
+) -> _Plan | None:
+    """The best placeable plan by (step time, stage count); the incumbent wins ties."""
+    best = incumbent
+    for plan in plans:
+        key = (plan.step(num_micro_batches), len(plan.stages))
+        if (best is None or key < (best.step(num_micro_batches), len(best.stages))) and _placeable(
+            cands, plan
+        ):
+            best = plan
+    return best
+
+
+def _prune_limit(best: _Plan | None, floor_sum: float, num_micro_batches: int) -> float:
+    """Bounds worth trying lie below this: a plan whose slowest stage takes t and whose Σ is at
+    least floor_sum steps in floor_sum + (B−1)·t or more, which must beat the best found
+    (Alpa's early stop, with the tightest Σ bound known so far)."""
+    if best is None:
+        return math.inf
+    gap = best.step(num_micro_batches) - floor_sum
+    if num_micro_batches == 1:
+        return math.inf if gap > 0 else -math.inf
+    return gap / (num_micro_batches - 1)
+
+
+def _admissible(plans: list[_Plan], tolerance: float) -> list[_Plan]:
+    """Plans whose fastest stage is within the imbalance tolerance of their slowest."""
+    return [p for p in plans if min(p.latencies) >= max(p.latencies) / tolerance]
+
+
+def _search(
+    cands: _Candidates, num_micro_batches: int, tolerance: float, max_stages: int
+) -> _Plan | None:
+    """Alpa's outer loop: the DP under bounds t_max on stage latency, keeping the best step.
+
+    Bounds (the distinct candidate latencies) are tried from the top down. G(t), the least Σ
+    under bound t with no tolerance, only grows as t falls; the DP under t returns it with a
+    plan whose slowest stage is t' ≤ t, so G is known on [t', t] and is a lower bound on Σ
+    below. With tolerance inf that plan is the best under every bound in [t', t], so the next
+    bound is the largest below t': one DP per point of the (Σ, max) Pareto front, not one per
+    distinct latency. With a finite tolerance τ a bound t only admits stages of latency
+    ≥ t/τ, so each bound in [t', t] gets its own windowed DP. Bounds t with
+    G + (B−1)·t ≥ the best step are skipped, and the search stops where the DP without
+    tolerance has no plan.
+    """
+    relaxed = _best_logical(cands, max_stages, 0.0, math.inf)
+    levels = np.unique(cands.latency[cands.max_after >= 0])
+    best, floor_sum, covered_low = None, -math.inf, math.inf
+    index = len(levels) - 1
+    while True:
+        limit = _prune_limit(best, floor_sum, num_micro_batches)
+        index = min(index, int(np.searchsorted(levels, limit, side="left")) - 1)
+        if index < 0:
+            return best
+        bound = float(levels[index])
+        if bound < covered_low:  # G(bound) unknown: run the DP without tolerance
+            plans = _evaluate(cands, relaxed, bound, (0.0, math.inf))
+            if not plans:
+                return best
+            best = _better(cands, _admissible(plans, tolerance), best, num_micro_batches)
+            floor_sum, covered_low = min((p.latency_sum, max(p.latencies)) for p in plans)
+            if tolerance == math.inf:
+                index = int(np.searchsorted(levels, covered_low, side="left")) - 1
+            continue
+        window = (bound / tolerance, bound)
+        table = _best_logical(cands, max_stages, *window)
+        best = _better(cands, _evaluate(cands, table, bound, window), best, num_micro_batches)
+        index -= 1
+
+
+def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]:
+    """Give each stage of a DP plan the logical mesh the DP costed it with."""
+    low, high = plan.window
+    stages = []
+    for k, (start, end, m) in enumerate(plan.stages):
+        after = len(plan.stages) - 1 - k
+        latency = cands.latency[start, end - start - 1, m]
+        ok = (
+            (latency >= low)
+            & (latency <= high)
+            & (cands.max_after[start, end - start - 1, m] >= after)
+        )
+        g = int(np.where(ok, latency, np.inf).argmin())
+        cost = cands.costs[(start, end - start - 1, m, g)]
+        stages.append(StageAssignment((start, end), cands.submeshes[m], cands.logicals[m][g], cost))
+    return tuple(stages)
+
+
+def _no_plan_error(
+    cands: _Candidates, num_layers: int, device_memory: float, max_stages: int
+) -> PlanningError:
+    hosts, per_host = cands.cluster
+    where = f"{num_layers} layers on {hosts}x{per_host} devices (max_stages={max_stages})"
+    if not cands.costs:
+        return PlanningError(f"no stage plan for {where}: cost_fn rejected every candidate stage")
+    least = min(c.static_memory_bytes + c.activation_memory_bytes for c in cands.costs.values())
+    return PlanningError(
+        f"no stage plan for {where} fits in {device_memory:.4g} bytes per device; the least any "
+        f"single candidate stage needs (state plus one micro-batch of activations) is "
+        f"{least:.4g} bytes"
+    )
+
+
+def solve_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost_fn: CostFn,
+    device_memory: float,
+    option: AutoStageOption | None = None,
+    max_stages: int | None = None,
+) -> StageSolution:
+    """The stage plan with the least predicted step time (Alpa §5's DP).
+
+    Searches contiguous layer ranges, Alpa's sub-mesh shapes and their logical meshes (as
+    `option` allows), using every device and keeping every stage within device memory under
+    1F1B. cost_fn is called once per candidate (start, end, sub-mesh, logical mesh).
+    Ties go to fewer stages. Exact when the sub-mesh shapes always tile the cluster (devices
+    per host a power of two, or one host); otherwise the best plan that packs among those the
+    DP found.
+
+    >>> def cost(start, end, submesh, logical):  # 1 s a layer, split; 1 s to all-reduce
+    ...     devices = submesh[0] * submesh[1]
+    ...     return StageCost((end - start) / devices + (devices > 1), 0.0, 0.0)
+    >>> [(s.layers, s.submesh) for s in solve_stages(4, 1, 2, 8, cost, 1e9).stages]
+    [((0, 2), (1, 1)), ((2, 4), (1, 1))]
+    """
+    _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
+    if max_stages is not None:
+        _check_positive_int("max_stages", max_stages)
+    if option is None:
+        physical_space, logical_space, tolerance = "power_of_two", "all", math.inf
+    else:
+        physical_space = option.submesh_physical_shape_space
+        logical_space = option.submesh_logical_shape_space
+        tolerance = option.stage_imbalance_tolerance
+    cap = min(max_stages or num_layers, num_layers, num_hosts * devices_per_host)
+    submeshes = submesh_shapes(num_hosts, devices_per_host, physical_space)
+    cands = _collect(
+        num_layers,
+        (num_hosts, devices_per_host),
+        submeshes,
+        logical_space,
+        cost_fn,
+        device_memory,
+        cap,
+    )
+    plan = _search(cands, num_micro_batches, tolerance, cap)
+    if plan is None:
+        raise _no_plan_error(cands, num_layers, device_memory, cap)
+    stages = _assignments(cands, plan)
+    solution = StageSolution(
+        stages, _step_latency([a.cost.latency_s for a in stages], num_micro_batches)
+    )
+    logger.info("stage plan: %s", _describe(solution))
+    return solution

@@ -1,0 +1,449 @@
+"""Stage construction (Alpa §5): sub-mesh and logical shape spaces, the stage DP against brute
+force on small random instances, memory, uniform and manual stages, and sub-mesh placement."""
+
+import collections
+import itertools
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
+from autopar.planner.errors import InvalidArgumentError, PlanningError
+from autopar.planner.stages import (
+    StageCost,
+    logical_mesh_shapes,
+    manual_stages,
+    place_submeshes,
+    solve_stages,
+    submesh_shapes,
+    uniform_stages,
+)
+
+
+def _fits(cost: StageCost, after: int, memory: float) -> bool:
+    return cost.static_memory_bytes + (after + 1) * cost.activation_memory_bytes <= memory
+
+
+def _step(latencies, num_micro_batches: int) -> float:
+    return sum(latencies) + (num_micro_batches - 1) * max(latencies)
+
+
+# --- shape spaces ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cluster, space, expected",
+    [
+        ((1, 8), "power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8)]),
+        ((1, 8), "all", [(1, k) for k in range(1, 9)]),
+        ((2, 8), "power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]),
+        ((2, 8), "all", [(1, k) for k in range(1, 9)] + [(2, 8)]),
+        ((8, 8), "power_of_two", [(1, 1), (1, 2), (1, 4)] + [(h, 8) for h in range(1, 9)]),
+        ((8, 8), "all", [(1, k) for k in range(1, 8)] + [(h, 8) for h in range(1, 9)]),
+    ],
+)
+def test_submesh_shapes(cluster, space, expected):
+    assert submesh_shapes(*cluster, space) == expected
+
+
+def test_submesh_shapes_rejects_unknown_space():
+    with pytest.raises(InvalidArgumentError, match="'squares'"):
+        submesh_shapes(2, 8, "squares")
+
+
+@pytest.mark.parametrize(
+    "space, expected",
+    [
+        ("all", [(1, 8), (2, 4), (4, 2), (8, 1)]),
+        ("same_as_physical", [(2, 4)]),
+        ("data_parallel_only", [(8, 1)]),
+        ("model_parallel_only", [(1, 8)]),
+    ],
+)
+def test_logical_mesh_shapes(space, expected):
+    assert logical_mesh_shapes((2, 4), space) == expected
+
+
+def test_logical_mesh_shapes_of_one_device_and_unknown_space():
+    assert logical_mesh_shapes((1, 1), "all") == [(1, 1)]
+    with pytest.raises(InvalidArgumentError, match="'rows'"):
+        logical_mesh_shapes((1, 4), "rows")
+
+
+# --- the DP against brute force ----------------------------------------------------------------
+
+
+def _random_table(rng, num_layers, cluster, physical_space, logical_space):
+    """Costs for every candidate: compute shrinks with devices while communication grows, ~10%
+    cannot run, memory per device shrinks with devices."""
+    work = rng.uniform(0.5, 2.0, num_layers)
+    comm = rng.uniform(0.05, 0.5)
+    state = rng.uniform(0.5, 2.0, num_layers)
+    stash = rng.uniform(0.5, 2.0, num_layers)
+    table = {}
+    for start, end in itertools.combinations(range(num_layers + 1), 2):
+        for submesh in submesh_shapes(*cluster, physical_space):
+            devices = submesh[0] * submesh[1]
+            for logical in logical_mesh_shapes(submesh, logical_space):
+                if rng.random() < 0.1:
+                    table[start, end, submesh, logical] = None
+                    continue
+                compute = work[start:end].sum() / devices
+                talk = comm * (end - start) * (1 - 1 / devices)
+                table[start, end, submesh, logical] = StageCost(
+                    latency_s=(compute + talk) * rng.uniform(0.8, 1.25),
+                    static_memory_bytes=state[start:end].sum() / devices**0.5,
+                    activation_memory_bytes=stash[start:end].sum() / devices**0.7,
+                )
+    needs = [c.static_memory_bytes + 2 * c.activation_memory_bytes for c in table.values() if c]
+    return table, float(np.quantile(needs, 0.7))
+
+
+def _brute_force(num_layers, cluster, num_micro_batches, table, memory, space, tolerance):
+    """Least step over every layer split, sub-mesh and logical mesh choice that fits and packs."""
+    num_devices = cluster[0] * cluster[1]
+    best = math.inf
+    for cuts in itertools.chain.from_iterable(
+        itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
+    ):
+        bounds = (0, *cuts, num_layers)
+        ranges = list(itertools.pairwise(bounds))
+        choices = [
+            [
+                (submesh, cost)
+                for (a, b, submesh, _), cost in table.items()
+                if (a, b) == (start, end) and cost and _fits(cost, len(ranges) - 1 - k, memory)
+            ]
+            for k, (start, end) in enumerate(ranges)
+        ]
+        for plan in itertools.product(*choices):
+            if sum(s[0] * s[1] for s, _ in plan) != num_devices:
+                continue
+            latencies = [cost.latency_s for _, cost in plan]
+            if min(latencies) < max(latencies) / tolerance:
+                continue
+            try:
+                place_submeshes([s for s, _ in plan], *cluster)
+            except InvalidArgumentError:
+                continue
+            best = min(best, _step(latencies, num_micro_batches))
+    return best
+
+
+def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory):
+    stages = solution.stages
+    assert [s.layers[0] for s in stages] == [0] + [s.layers[1] for s in stages[:-1]]
+    assert stages[-1].layers[1] == num_layers
+    place_submeshes([s.submesh for s in stages], *cluster)  # covers every device, packs
+    for k, stage in enumerate(stages):
+        assert stage.cost == table[(*stage.layers, stage.submesh, stage.logical_mesh)]
+        assert _fits(stage.cost, len(stages) - 1 - k, memory)
+    expected = _step([s.cost.latency_s for s in stages], num_micro_batches)
+    assert solution.step_latency_s == pytest.approx(expected)
+
+
+CLUSTERS = [(1, 2), (1, 4), (1, 8), (2, 4), (2, 2)]
+
+
+def _instance(seed, spaces=("power_of_two", "all"), clusters=CLUSTERS):
+    rng = np.random.default_rng(seed)
+    num_layers = int(rng.integers(1, 7))
+    cluster = clusters[int(rng.integers(len(clusters)))]
+    num_micro_batches = int(rng.choice([1, 4, 16]))
+    table, memory = _random_table(rng, num_layers, cluster, *spaces)
+    return num_layers, cluster, num_micro_batches, table, memory
+
+
+def _solve(num_layers, cluster, num_micro_batches, table, memory, **option):
+    return solve_stages(
+        num_layers,
+        *cluster,
+        num_micro_batches,
+        lambda *args: table[args],
+        memory,
+        AutoStageOption(**option) if option else None,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_matches_brute_force(seed):
+    num_layers, cluster, batches, table, memory = _instance(seed)
+    expected = _brute_force(num_layers, cluster, batches, table, memory, "power_of_two", math.inf)
+    if expected == math.inf:
+        with pytest.raises(PlanningError):
+            _solve(num_layers, cluster, batches, table, memory)
+        return
+    solution = _solve(num_layers, cluster, batches, table, memory)
+    _check_valid(solution, num_layers, cluster, batches, table, memory)
+    assert solution.step_latency_s == pytest.approx(expected)
+    huge_tolerance = _solve(
+        num_layers, cluster, batches, table, memory, stage_imbalance_tolerance=1e9
+    )
+    assert huge_tolerance == solution
+
+
+@pytest.mark.parametrize("seed", range(100, 120))
+def test_dp_matches_brute_force_with_all_shapes(seed):
+    """Every (1,k) slice and every factorisation, on clusters where such slices always pack."""
+    spaces = ("all", "all")
+    num_layers, cluster, batches, table, memory = _instance(seed, spaces, [(1, 4), (2, 2), (1, 3)])
+    expected = _brute_force(num_layers, cluster, batches, table, memory, "all", math.inf)
+    option = {"submesh_physical_shape_space": "all"}
+    if expected == math.inf:
+        with pytest.raises(PlanningError):
+            _solve(num_layers, cluster, batches, table, memory, **option)
+        return
+    solution = _solve(num_layers, cluster, batches, table, memory, **option)
+    _check_valid(solution, num_layers, cluster, batches, table, memory)
+    assert solution.step_latency_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("seed", range(200, 220))
+@pytest.mark.parametrize("tolerance", [1.0, 1.5, 3.0])
+def test_imbalance_tolerance_matches_brute_force(seed, tolerance):
+    num_layers, cluster, batches, table, memory = _instance(seed)
+    expected = _brute_force(num_layers, cluster, batches, table, memory, "power_of_two", tolerance)
+    option = {"stage_imbalance_tolerance": tolerance}
+    if expected == math.inf:
+        with pytest.raises(PlanningError):
+            _solve(num_layers, cluster, batches, table, memory, **option)
+        return
+    solution = _solve(num_layers, cluster, batches, table, memory, **option)
+    _check_valid(solution, num_layers, cluster, batches, table, memory)
+    latencies = [s.cost.latency_s for s in solution.stages]
+    assert min(latencies) >= max(latencies) / tolerance
+    assert solution.step_latency_s == pytest.approx(expected)
+
+
+def test_cost_fn_called_once_per_candidate():
+    num_layers, cluster, batches, table, memory = _instance(3)
+    calls = collections.Counter()
+
+    def cost_fn(*args):
+        calls[args] += 1
+        return table[args]
+
+    solve_stages(num_layers, *cluster, batches, cost_fn, memory * 100)
+    assert set(calls) == set(table)
+    assert set(calls.values()) == {1}
+
+
+# --- hand-made cases ---------------------------------------------------------------------------
+
+
+def _layer_cost(work, all_reduce_s=0.0, stash=0.0):
+    """Latency: the range's work split over the devices, plus an all-reduce when split.
+    Memory: `stash` bytes of activations per layer per micro-batch, split over the devices."""
+
+    def cost_fn(start, end, submesh, logical):
+        devices = submesh[0] * submesh[1]
+        latency = sum(work[start:end]) / devices + (all_reduce_s if devices > 1 else 0.0)
+        return StageCost(latency, 0.0, stash * (end - start) / devices)
+
+    return cost_fn
+
+
+def test_memory_rules_out_the_fastest_plan():
+    cost_fn = _layer_cost([1.0] * 4, all_reduce_s=1.0, stash=1.0)
+    free = solve_stages(4, 1, 2, 8, cost_fn, 1e9)
+    assert [(s.layers, s.submesh) for s in free.stages] == [((0, 2), (1, 1)), ((2, 4), (1, 1))]
+    assert free.step_latency_s == pytest.approx(2 + 2 + 7 * 2)
+    # With 3.5 bytes, stage 0 of that plan (2 layers, 2 micro-batches in flight) needs 4.
+    tight = solve_stages(4, 1, 2, 8, cost_fn, 3.5)
+    assert [(s.layers, s.submesh) for s in tight.stages] == [((0, 4), (1, 2))]
+    assert tight.step_latency_s == pytest.approx(8 * 3)
+    for k, stage in enumerate(tight.stages):
+        assert _fits(stage.cost, len(tight.stages) - 1 - k, 3.5)
+
+
+def test_heavy_first_layer_gets_a_stage_of_its_own():
+    cost_fn = _layer_cost([3.0, 1.0, 1.0, 1.0], all_reduce_s=10.0)
+    solution = solve_stages(4, 1, 2, 4, cost_fn, 1e9)
+    assert [s.layers for s in solution.stages] == [(0, 1), (1, 4)]
+    assert solution.step_latency_s == pytest.approx(3 + 3 + 3 * 3)
+
+
+def test_ties_go_to_fewer_stages():
+    # One stage on both devices or one layer per device: both step in 2 s with one micro-batch.
+    solution = solve_stages(2, 1, 2, 1, _layer_cost([1.0, 1.0], all_reduce_s=1.0), 1e9)
+    assert [(s.layers, s.submesh) for s in solution.stages] == [((0, 2), (1, 2))]
+
+
+def test_max_stages_caps_the_pipeline():
+    solution = solve_stages(4, 1, 4, 64, _layer_cost([1.0] * 4), 1e9, max_stages=1)
+    assert [(s.layers, s.submesh) for s in solution.stages] == [((0, 4), (1, 4))]
+
+
+def test_logical_space_restricts_the_logical_meshes():
+    seen = set()
+
+    def cost_fn(start, end, submesh, logical):
+        seen.add(logical)
+        return StageCost(1.0, 0.0, 0.0)
+
+    solution = solve_stages(
+        2, 1, 4, 4, cost_fn, 1e9, AutoStageOption(submesh_logical_shape_space="data_parallel_only")
+    )
+    assert seen == {(1, 1), (2, 1), (4, 1)}
+    assert all(s.logical_mesh[1] == 1 for s in solution.stages)
+
+
+def test_no_feasible_plan_names_the_memory():
+    cost_fn = _layer_cost([1.0] * 3, stash=10.0)
+    with pytest.raises(PlanningError, match=r"fits in 1 bytes .* needs .* is 2\.5 bytes"):
+        solve_stages(3, 1, 4, 4, cost_fn, 1.0)
+    with pytest.raises(PlanningError, match="rejected every candidate"):
+        solve_stages(3, 1, 4, 4, lambda *args: None, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_micro_batches": 0}, "num_micro_batches"),
+        ({"device_memory": -1.0}, "device_memory"),
+        ({"max_stages": 0}, "max_stages"),
+        ({"num_layers": 0}, "num_layers"),
+    ],
+)
+def test_solve_stages_rejects_bad_arguments(kwargs, match):
+    args = {
+        "num_layers": 2,
+        "num_hosts": 1,
+        "devices_per_host": 2,
+        "num_micro_batches": 4,
+        "cost_fn": _layer_cost([1.0, 1.0]),
+        "device_memory": 1e9,
+    }
+    with pytest.raises(InvalidArgumentError, match=match):
+        solve_stages(**(args | kwargs))
+
+
+def test_solve_stages_logs_the_plan(caplog):
+    with caplog.at_level(logging.INFO, logger="autopar.planner.stages"):
+        solve_stages(4, 1, 2, 4, _layer_cost([1.0] * 4), 1e9)
+    assert "stage plan: 1 stage, step 8 s: [0,4) on (1, 2) as (1, 2)" in caplog.text
+
+
+def test_48_layers_on_64_devices():
+    """Production size: 48 layers, 8 hosts x 8, a few logical meshes per sub-mesh."""
+    rng = np.random.default_rng(0)
+    work = np.concatenate([[0.0], np.cumsum(rng.uniform(0.5, 1.5, 48))])
+
+    def cost_fn(start, end, submesh, logical):
+        devices = submesh[0] * submesh[1]
+        comm = 0.05 * (logical[1] - 1) * (end - start) * (4 if submesh[0] > 1 else 1)
+        return StageCost((work[end] - work[start]) / devices + comm, 1e8 * (end - start), 2e7)
+
+    solution = solve_stages(48, 8, 8, 32, cost_fn, 1e9)
+    assert sum(s.submesh[0] * s.submesh[1] for s in solution.stages) == 64
+    assert solution.stages[-1].layers[1] == 48
+
+
+# --- uniform and manual stages -----------------------------------------------------------------
+
+
+def test_uniform_stages_split_layers_and_devices_evenly():
+    cost_fn = _layer_cost([1.0] * 5)
+    solution = uniform_stages(5, 1, 4, 4, cost_fn, 1e9, UniformStageOption(num_stages=2))
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in solution.stages] == [
+        ((0, 3), (1, 2), (1, 2)),
+        ((3, 5), (1, 2), (1, 2)),
+    ]
+    assert solution.step_latency_s == pytest.approx(1.5 + 1.0 + 3 * 1.5)
+    hosts = uniform_stages(4, 4, 2, 4, cost_fn, 1e9, UniformStageOption(2, (4, 1)))
+    assert [(s.submesh, s.logical_mesh) for s in hosts.stages] == [((2, 2), (4, 1))] * 2
+    per_layer = uniform_stages(4, 1, 4, 4, cost_fn, 1e9, UniformStageOption())
+    assert [s.layers for s in per_layer.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize(
+    "num_layers, cluster, option, match",
+    [
+        (4, (1, 4), UniformStageOption(num_stages=3), r"cannot split 4 devices .* num_stages=3"),
+        (2, (1, 4), UniformStageOption(num_stages=4), r"num_stages=4 is more than the 2 layers"),
+        (4, (2, 4), UniformStageOption(num_stages=2, submesh_logical_shape=(2, 4)), "has 8"),
+    ],
+)
+def test_uniform_stages_rejects_bad_splits(num_layers, cluster, option, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        uniform_stages(num_layers, *cluster, 4, _layer_cost([1.0] * num_layers), 1e9, option)
+
+
+def test_uniform_stages_checks_memory():
+    with pytest.raises(PlanningError, match=r"stage 0 .* needs 4 bytes .* 2 micro-batches"):
+        uniform_stages(4, 1, 2, 4, _layer_cost([1.0] * 4, stash=1.0), 3.0, UniformStageOption(2))
+
+
+def test_manual_stages():
+    option = ManualStageOption(((0,), (1, 2, 3)), ((1, 1), (1, 3)), ((1, 1), (3, 1)))
+    solution = manual_stages(4, 1, 4, 2, _layer_cost([3.0, 1.0, 1.0, 1.0]), 1e9, option)
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in solution.stages] == [
+        ((0, 1), (1, 1), (1, 1)),
+        ((1, 4), (1, 3), (3, 1)),
+    ]
+    assert solution.step_latency_s == pytest.approx(3 + 1 + 1 * 3)
+
+
+@pytest.mark.parametrize(
+    "num_layers, cluster, option, match",
+    [
+        (
+            5,
+            (1, 4),
+            ManualStageOption(((0, 1), (2, 3)), ((1, 2), (1, 2)), ((1, 2), (1, 2))),
+            "assign 4 layers but the model has 5",
+        ),
+        (
+            4,
+            (1, 4),
+            ManualStageOption(((0, 1), (2, 3)), ((1, 2), (1, 1)), ((1, 2), (1, 1))),
+            "cover 3 devices but the cluster has 4",
+        ),
+        (
+            3,
+            (2, 4),
+            ManualStageOption(
+                ((0,), (1,), (2,)), ((1, 3), (1, 3), (1, 2)), ((1, 3),) * 2 + ((1, 2),)
+            ),
+            "cannot be packed into 2 hosts of 4 devices",
+        ),
+    ],
+)
+def test_manual_stages_rejects_plans_that_do_not_fit_the_cluster(
+    num_layers, cluster, option, match
+):
+    with pytest.raises(InvalidArgumentError, match=match):
+        manual_stages(num_layers, *cluster, 4, _layer_cost([1.0] * num_layers), 1e9, option)
+
+
+def test_manual_stages_reports_stages_cost_fn_rejects():
+    option = ManualStageOption(((0,), (1,)), ((1, 1), (1, 1)), ((1, 1), (1, 1)))
+    with pytest.raises(PlanningError, match=r"stage 0 .* cost_fn rejected it"):
+        manual_stages(2, 1, 2, 4, lambda *args: None, 1e9, option)
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def test_place_submeshes_packs_whole_hosts_then_slices():
+    placed = place_submeshes([(1, 2), (2, 4), (1, 4), (1, 1), (1, 1)], 4, 4)
+    assert placed == [(12, 13), tuple(range(8)), (8, 9, 10, 11), (14,), (15,)]
+    slices = place_submeshes([(1, 1), (1, 2), (1, 1), (1, 4)], 2, 4)
+    assert slices == [(6,), (4, 5), (7,), (0, 1, 2, 3)]
+    assert sorted(itertools.chain(*slices)) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        ([(1, 4), (1, 2)], "cover 6 devices but the cluster has 8"),
+        ([(1, 3), (1, 3), (1, 2)], "no host has 2 free devices for stage 2"),
+        ([(2, 2), (1, 4)], r"sub-mesh \(2, 2\) is neither part of one host"),
+        ([(1, 8)], r"sub-mesh \(1, 8\) is neither"),
+    ],
+)
+def test_place_submeshes_errors(shapes, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        place_submeshes(shapes, 2, 4)
