@@ -6,7 +6,7 @@ import dataclasses
 import math
 import numbers
 
-from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.errors import InvalidArgumentError, check_positive_int
 from autopar.planner.intra import IntraOpConfig
 
 SOLVERS = ("cbc", "highs")
@@ -65,17 +65,15 @@ class AutoShardingOption:
         return IntraOpConfig(**dataclasses.asdict(self))
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _shape_2d(name: str, shape: object) -> tuple[int, int]:
     if not (isinstance(shape, (tuple, list)) and len(shape) == 2):
         raise InvalidArgumentError(f"{name} must be a (rows, columns) pair, got {shape!r}")
-    for entry in shape:
-        _positive_int(name, entry)
-    return (int(shape[0]), int(shape[1]))
+    try:
+        return (check_positive_int(name, shape[0]), check_positive_int(name, shape[1]))
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"{name} must be a positive integer pair, got {shape!r}"
+        ) from None
 
 
 REMAT_MODES = ("none", "coarse_grained")
@@ -105,7 +103,7 @@ class AutoLayerOption:
     remat_mode: str = "none"
 
     def __post_init__(self) -> None:
-        _positive_int("layer_num", self.layer_num)
+        check_positive_int("layer_num", self.layer_num)
         if self.remat_mode not in REMAT_MODES:
             raise InvalidArgumentError(
                 f"remat_mode must be one of {REMAT_MODES}, got {self.remat_mode!r}"
@@ -169,7 +167,7 @@ class UniformStageOption:
 
     def __post_init__(self) -> None:
         if self.num_stages is not None:
-            _positive_int("num_stages", self.num_stages)
+            check_positive_int("num_stages", self.num_stages)
         if self.submesh_logical_shape is not None:
             object.__setattr__(
                 self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 
 class AutoparError(Exception):
     """Base class of every error autopar raises on purpose."""
@@ -17,3 +19,10 @@ class TracingError(AutoparError):
 
 class PlanningError(AutoparError):
     """No valid plan exists for this program on this cluster with these options."""
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """`value` as an int; InvalidArgumentError naming `name` unless it is an integer ≥ 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgumentError(f"{name}={value!r} must be a positive integer")
+    return int(value)

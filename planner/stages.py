@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from autopar.planner.errors import InvalidArgumentError, PlanningError
+from autopar.planner.errors import InvalidArgumentError, PlanningError, check_positive_int
 
 if TYPE_CHECKING:
     from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
@@ -66,14 +66,9 @@ class StageSolution:
     step_latency_s: float
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
-    _check_positive_int("num_hosts", num_hosts)
-    _check_positive_int("devices_per_host", devices_per_host)
+    check_positive_int("num_hosts", num_hosts)
+    check_positive_int("devices_per_host", devices_per_host)
 
 
 def submesh_shapes(
@@ -182,9 +177,9 @@ def _check_common(
     num_micro_batches: int,
     device_memory: float,
 ) -> None:
-    _check_positive_int("num_layers", num_layers)
+    check_positive_int("num_layers", num_layers)
     _check_cluster(num_hosts, devices_per_host)
-    _check_positive_int("num_micro_batches", num_micro_batches)
+    check_positive_int("num_micro_batches", num_micro_batches)
     if isinstance(device_memory, bool) or not isinstance(device_memory, numbers.Real):
         raise InvalidArgumentError(f"device_memory must be a number, got {device_memory!r}")
     if not device_memory > 0:
@@ -620,7 +615,7 @@ def solve_stages(
     """
     _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
     if max_stages is not None:
-        _check_positive_int("max_stages", max_stages)
+        check_positive_int("max_stages", max_stages)
     if option is None:
         physical_space, logical_space, tolerance = "power_of_two", "all", math.inf
     else:

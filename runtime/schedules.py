@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import numbers
 from collections.abc import Callable, Sequence
 
-from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.errors import InvalidArgumentError, check_positive_int
 
 
 class TaskKind(enum.Enum):
@@ -187,12 +186,6 @@ class Schedule:
         return "\n".join(lines)
 
 
-def _check_count(argument: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidArgumentError(f"{argument}={value!r} must be a positive integer")
-    return int(value)
-
-
 def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: int) -> Schedule:
     """The clock table of per-mesh task orders, each task running as early as its order allows."""
     num_stages = len(orders)
@@ -246,8 +239,8 @@ def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
 
     Mesh i runs forward j at clock i+j and backward j at clock (n+m-1) + (n-1-i) + j.
     """
-    n = _check_count("num_stages", num_stages)
-    m = _check_count("num_micro_batches", num_micro_batches)
+    n = check_positive_int("num_stages", num_stages)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
     return _simulate("gpipe", [_gpipe_order(i, m) for i in range(n)], m)
 
 
@@ -258,8 +251,8 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
     drains the remaining backwards (Alpa's PipeDreamFlush). Simulated with one clock per task, this
     plain order already takes 2(n+m-1) compute clocks, the same as GPipe.
     """
-    n = _check_count("num_stages", num_stages)
-    m = _check_count("num_micro_batches", num_micro_batches)
+    n = check_positive_int("num_stages", num_stages)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
     return _simulate("1f1b", [_one_f_one_b_order(i, n, m) for i in range(n)], m)
 
 
