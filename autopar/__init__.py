@@ -9,7 +9,13 @@ def train_step(state, batch):
 from autopar.api import ParallelizedFunc, parallelize, plan
 from autopar.context import init, shutdown, simulate_cpu_devices
 from autopar.markers import grad, mark_pipeline_boundary, value_and_grad
-from autopar.methods import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from autopar.methods import (
+    DataParallel,
+    PipeshardParallel,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
 from autopar.options import (
     AutoLayerOption,
     AutoShardingOption,
@@ -27,6 +33,7 @@ from autopar.planner.errors import (
 )
 from autopar.planner.plan import Plan
 from autopar.runtime.executable import Executable, MemoryStats
+from autopar.runtime.local import PipelineExecutable
 
 __version__ = "0.1.0"
 
@@ -43,6 +50,8 @@ __all__ = [
     "ManualStageOption",
     "MemoryStats",
     "ParallelizedFunc",
+    "PipelineExecutable",
+    "PipeshardParallel",
     "Plan",
     "PlanningError",
     "ShardParallel",

@@ -10,11 +10,13 @@ from typing import Any
 import jax
 
 from autopar.context import current_runtime
-from autopar.methods import DataParallel, Method, ShardParallel, method_mesh
+from autopar.methods import DataParallel, Method, PipeshardParallel, ShardParallel, method_mesh
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
+from autopar.planner.pipeline import split_step
+from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
@@ -34,10 +36,10 @@ Argnums = Sequence[int] | str
 def _check_method(method: Any) -> Method:
     if method is None:
         return ShardParallel()
-    if not isinstance(method, DataParallel | ShardParallel):
+    if not isinstance(method, DataParallel | ShardParallel | PipeshardParallel):
         raise InvalidArgumentError(
-            "method must be ShardParallel, DataParallel, Zero2Parallel or Zero3Parallel, got "
-            f"{method!r}"
+            "method must be ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel or "
+            f"PipeshardParallel, got {method!r}"
         )
     return method
 
@@ -45,6 +47,15 @@ def _check_method(method: Any) -> Method:
 def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSpec) -> Plan:
     """Hand a method (configuration) to its planner as explicit arguments."""
     k = method.num_micro_batches or 1
+    if isinstance(method, PipeshardParallel):
+        config = PipelineConfig(
+            num_micro_batches=k,
+            schedule=method.pipeline_schedule,
+            stage_option=method.stage_option,
+            intra=method.auto_sharding_option.to_config(),
+        )
+        parts = split_step(traced.closed_jaxpr)
+        return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
     if isinstance(method, ShardParallel):
         config = method.auto_sharding_option.to_config()
         return plan_shard_parallel(traced.program, mesh, cluster, config, k)
@@ -69,7 +80,15 @@ def trace_for_method(
         donate_argnums=donate,
         regather_params=method.regather_params,
         num_micro_batches=method.num_micro_batches or 1,
+        layer_option=method.layer_option if isinstance(method, PipeshardParallel) else None,
     )
+
+
+def _shape_key(x: Any) -> tuple:
+    """Shape, dtype and weak type of an argument leaf: what a plan depends on. Not its sharding,
+    which the executable's own outputs carry and which must not force a new plan."""
+    aval = jax.typeof(x)
+    return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 
 class ParallelizedFunc:
@@ -106,7 +125,7 @@ class ParallelizedFunc:
         statics = tuple((i, args[i]) for i in static)
         try:
             hash(statics)
-            avals = tuple(jax.typeof(x) for x in leaves)
+            avals = tuple(_shape_key(x) for x in leaves)
         except TypeError as e:
             self._check_batch(args)  # names the offending batch leaf, if it is one
             raise InvalidArgumentError(
@@ -174,7 +193,7 @@ def parallelize(
       donate_argnums: arguments whose buffers the step may reuse ("auto": all but batch/static).
       batch_argnums: arguments whose leaves have the batch as dim 0 (split over devices).
       method: ShardParallel() (default: automatic sharding by ILP), DataParallel(),
-        Zero2Parallel() or Zero3Parallel().
+        Zero2Parallel(), Zero3Parallel() or PipeshardParallel(...) (pipeline stages).
     """
     if fun is None:
         return functools.partial(

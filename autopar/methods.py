@@ -10,11 +10,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from autopar.options import AutoShardingOption
+from autopar.options import (
+    AutoShardingOption,
+    LayerOption,
+    ManualLayerOption,
+    StageOption,
+    UniformStageOption,
+)
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import ZeroStage
 from autopar.planner.plan import MeshPlan
+from autopar.runtime.schedules import SCHEDULES
 
 
 def _check_micro_batches(value: int | None) -> None:
@@ -97,7 +104,65 @@ class ShardParallel:
         return True
 
 
-Method = DataParallel | ShardParallel
+@dataclasses.dataclass(frozen=True)
+class PipeshardParallel:
+    """Pipeline stages on disjoint sub-meshes, each stage sharded by the ILP (Alpa's pipeshard).
+
+    The loss that `autopar.grad` differentiates is cut into layers (`layer_option`), the layers
+    are grouped into stages on sub-meshes (`stage_option`), and each stage is planned by the
+    intra-op ILP on its logical mesh. Micro-batches run through the stages in
+    `pipeline_schedule` order and gradients accumulate over them.
+
+    Args:
+      devices: None (all devices of the runtime: the cluster's (hosts, devices per host)), a
+        list of jax devices (one host), or a 2-D `jax.sharding.Mesh` taken as (hosts, devices).
+      num_micro_batches: micro-batches per step; must divide the batch.
+      layer_option: `ManualLayerOption()` (layers from `autopar.mark_pipeline_boundary()`) or
+        `AutoLayerOption(layer_num)` (FLOP-balanced clustering).
+      stage_option: `UniformStageOption(num_stages)`, `AutoStageOption()` (Alpa's DP) or
+        `ManualStageOption(...)`.
+      pipeline_schedule: "1f1b" (at most n-i micro-batches in flight on stage i) or "gpipe".
+      auto_sharding_option: options of each stage's intra-op ILP.
+    """
+
+    devices: Any = None
+    num_micro_batches: int = 1
+    layer_option: LayerOption = dataclasses.field(default_factory=ManualLayerOption)
+    stage_option: StageOption = dataclasses.field(default_factory=UniformStageOption)
+    pipeline_schedule: str = "1f1b"
+    auto_sharding_option: AutoShardingOption = dataclasses.field(default_factory=AutoShardingOption)
+
+    def __post_init__(self) -> None:
+        _check_micro_batches(self.num_micro_batches)
+        if self.num_micro_batches is None:
+            raise InvalidArgumentError("num_micro_batches must be a positive int, got None")
+        checks = (
+            ("layer_option", LayerOption),
+            ("stage_option", StageOption),
+            ("auto_sharding_option", AutoShardingOption),
+        )
+        for name, kind in checks:
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidArgumentError(
+                    f"{name} must be one of {kind}, got {getattr(self, name)!r}"
+                )
+        if self.pipeline_schedule not in SCHEDULES:
+            raise InvalidArgumentError(
+                f"pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
+            )
+        if isinstance(self.devices, Mesh) and len(self.devices.axis_names) > 2:
+            raise InvalidArgumentError(
+                f"PipeshardParallel takes a 1D or 2D (hosts, devices) mesh; got axes "
+                f"{self.devices.axis_names}"
+            )
+
+    @property
+    def regather_params(self) -> bool:
+        """Layers must stay visible to differentiation, so no whole-loss remat for FSDP."""
+        return False
+
+
+Method = DataParallel | ShardParallel | PipeshardParallel
 
 
 def resolve_devices(
@@ -133,7 +198,8 @@ def method_mesh(
 
     DataParallel and friends use one axis "data". ShardParallel on the whole of a multi-host
     cluster uses the physical (hosts, devices per host) mesh with axes ("x", "y"), else one
-    axis "x". A `jax.sharding.Mesh` is used as it is.
+    axis "x". PipeshardParallel gets the (hosts, devices per host) grid its stages slice. A
+    `jax.sharding.Mesh` is used as it is.
     """
     if isinstance(method.devices, Mesh):
         return resolve_devices(method.devices, ())
@@ -142,6 +208,12 @@ def method_mesh(
         mesh, run_on = MeshPlan((n,), ("data",), tuple(range(n))), ()
     else:
         mesh, run_on = resolve_devices(method.devices, devices or ())
+    if isinstance(method, PipeshardParallel):  # the (hosts, devices per host) to slice
+        n = mesh.num_devices
+        if len(mesh.shape) == 2:
+            return MeshPlan(mesh.shape, ("x", "y"), mesh.device_indices), run_on
+        shape = cluster.physical_mesh_shape if n == cluster.num_devices else (1, n)
+        return MeshPlan(tuple(shape), ("x", "y"), mesh.device_indices), run_on
     if isinstance(method, ShardParallel):
         n = mesh.num_devices
         if cluster.num_hosts > 1 and n == cluster.num_devices:

@@ -140,6 +140,12 @@ def check_batch_leaves(arg_name: str, arg: Any, num_micro_batches: int) -> None:
             )
 
 
+def _unsharded_aval(leaf: Any) -> Any:
+    """The leaf's aval without the sharding a committed array carries: plans are made for
+    shapes, and a step's outputs (placed by the plan) must trace like its first inputs."""
+    return jax.typeof(leaf).update(sharding=None)
+
+
 def _micro_batch_aval(aval: Any, k: int) -> Any:
     return aval.update(shape=(aval.shape[0] // k, *aval.shape[1:]))
 
@@ -215,7 +221,9 @@ def trace_step(
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
     batch_leaf = [dynamic[p[0].idx] in batch_argnums for p, _ in leaves_with_paths]
     in_avals = [
-        _micro_batch_aval(jax.typeof(leaf), num_micro_batches) if is_batch else jax.typeof(leaf)
+        _micro_batch_aval(_unsharded_aval(leaf), num_micro_batches)
+        if is_batch
+        else _unsharded_aval(leaf)
         for (_, leaf), is_batch in zip(leaves_with_paths, batch_leaf, strict=True)
     ]
 

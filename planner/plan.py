@@ -17,7 +17,7 @@ from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 
 def replicated(ndim: int) -> Spec:
@@ -106,6 +106,9 @@ class StagePlan:
     node_input_specs: Mapping[str, tuple[Spec | None, ...]] = dataclasses.field(
         default_factory=dict
     )
+    layers: tuple[int, int] | None = None  # pipeline stages: the layer range [start, end)
+    input_paths: tuple[str, ...] = ()  # pipeline stages: names of input_specs (else the plan's)
+    predicted: Predicted | None = None  # pipeline stages: this stage's share of the step
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,6 +136,7 @@ class Plan:
     donated_inputs: tuple[int, ...] = ()
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
+    pipeline_schedule: str | None = None  # "1f1b" or "gpipe" for pipelined plans
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (never pickle); `Plan.from_json` reads it back to an equal plan."""
@@ -196,6 +200,9 @@ def _stage_from_dict(d: Mapping[str, Any]) -> StagePlan:
             for k, v in d["reduce_scatter"].items()
         },
         node_input_specs={k: tuple(_spec(s) for s in v) for k, v in d["node_input_specs"].items()},
+        layers=None if d["layers"] is None else tuple(d["layers"]),
+        input_paths=tuple(d["input_paths"]),
+        predicted=None if d["predicted"] is None else Predicted(**d["predicted"]),
     )
 
 
@@ -211,4 +218,5 @@ def _plan_from_dict(d: Mapping[str, Any]) -> Plan:
         donated_inputs=tuple(d["donated_inputs"]),
         fingerprint=d["fingerprint"],
         notes=tuple(d["notes"]),
+        pipeline_schedule=d["pipeline_schedule"],
     )

@@ -19,20 +19,30 @@ def plan_summary(plan: Plan, max_inputs: int = 40) -> str:
     p = plan.predicted
     lines = [
         f"autopar plan: {plan.method}, {plan.num_micro_batches} micro-batch(es), "
-        f"cluster {plan.cluster.get('name', '?')}",
+        f"cluster {plan.cluster.get('name', '?')}"
+        + (f", {plan.pipeline_schedule} pipeline" if plan.pipeline_schedule else ""),
     ]
     for stage in plan.stages:
         mesh = " x ".join(
             f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True)
         )
+        layers = "" if stage.layers is None else f"layers [{stage.layers[0]},{stage.layers[1]}) "
         lines.append(
-            f"stage {stage.index}: mesh ({mesh}) on devices {list(stage.mesh.device_indices)}"
+            f"stage {stage.index}: {layers}mesh ({mesh}) on devices "
+            f"{list(stage.mesh.device_indices)}"
         )
-        width = max((len(path) for path in plan.input_paths[:max_inputs]), default=0)
-        for path, spec in list(zip(plan.input_paths, stage.input_specs, strict=True))[:max_inputs]:
+        if stage.predicted is not None:
+            q = stage.predicted
+            lines.append(
+                f"  predicted: {q.step_time_s / plan.num_micro_batches * 1e3:.3f} ms per "
+                f"micro-batch, memory per device {format_bytes(q.memory_per_device_bytes)}"
+            )
+        paths = stage.input_paths or plan.input_paths
+        width = max((len(path) for path in paths[:max_inputs]), default=0)
+        for path, spec in list(zip(paths, stage.input_specs, strict=True))[:max_inputs]:
             lines.append(f"  {path:<{width}}  {format_spec(spec)}")
-        if len(plan.input_paths) > max_inputs:
-            lines.append(f"  ... and {len(plan.input_paths) - max_inputs} more inputs")
+        if len(paths) > max_inputs:
+            lines.append(f"  ... and {len(paths) - max_inputs} more inputs")
         if stage.reduce_scatter:
             lines.append(f"  gradients reduce-scattered at {len(stage.reduce_scatter)} node(s)")
     lines.append(

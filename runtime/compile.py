@@ -1,4 +1,4 @@
-"""Compile a single-stage Plan into an Executable with `jax.jit` shardings."""
+"""Compile a Plan: single-stage plans into an Executable with `jax.jit` shardings."""
 
 from __future__ import annotations
 
@@ -12,13 +12,20 @@ from autopar.planner.plan import Plan
 from autopar.runtime.accumulate import accumulating_step
 from autopar.runtime.executable import Executable
 from autopar.runtime.interpreter import ShardingRules, build_mesh, partition_spec
+from autopar.runtime.local import PipelineExecutable
 from autopar.tracing import TracedStep
 
 logger = logging.getLogger(__name__)
 
 
-def compile_plan(traced: TracedStep, plan: Plan, devices: Sequence[jax.Device]) -> Executable:
-    """Lower and compile `traced` under `plan` on `devices` (indices in the plan refer to them)."""
+def compile_plan(
+    traced: TracedStep, plan: Plan, devices: Sequence[jax.Device]
+) -> Executable | PipelineExecutable:
+    """Lower and compile `traced` under `plan` on `devices` (indices in the plan refer to them).
+
+    Pipelined plans get a `PipelineExecutable`, whose segments compile on their first call."""
+    if plan.pipeline_schedule is not None:
+        return PipelineExecutable(traced, plan, devices)
     if len(plan.stages) != 1:
         raise ValueError(f"compile_plan runs single-stage plans; this one has {len(plan.stages)}")
     if plan.fingerprint and plan.fingerprint != traced.program.fingerprint:

@@ -1,0 +1,249 @@
+"""PipeshardParallel's planner: stages by Alpa's DP, each stage sharded by the intra-op ILP.
+
+1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
+2. Every layer is planned alone by the ILP on every candidate logical mesh (cost-model mode):
+   its predicted time per micro-batch, its state and its stashed activations. Layers with the
+   same structure (repeated transformer blocks) are planned once per mesh. A candidate stage
+   costs the sum of its layers; ignoring resharding between layers of one stage and the
+   transfers between stages, as Alpa's DP does.
+3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges and sub-meshes.
+4. Each chosen stage is planned as a whole by the ILP on its logical mesh; the plan's predicted
+   step time is Σ t + (B−1)·max t over those stage plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from jax.extend.core import Var
+
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
+from autopar.planner.errors import PlanningError
+from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
+from autopar.planner.pipeline import (
+    StageProgram,
+    StepParts,
+    place_stages,
+    stage_program,
+)
+from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
+from autopar.planner.program import Program
+from autopar.planner.stages import (
+    StageCost,
+    StageSolution,
+    manual_stages,
+    place_submeshes,
+    solve_stages,
+    uniform_stages,
+)
+
+logger = logging.getLogger(__name__)
+
+STAGE_AXES = ("x", "y")
+
+
+def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
+    """A stage's planned mesh. An axis of size 1 is dropped: it only duplicates strategies."""
+    kept = [(n, name) for n, name in zip(logical, STAGE_AXES, strict=True) if n > 1]
+    kept = kept or [(1, STAGE_AXES[1])]
+    return MeshPlan(
+        tuple(n for n, _ in kept), tuple(name for _, name in kept), tuple(device_indices)
+    )
+
+
+def stash_bytes(stage: StageProgram, plan: StagePlan) -> float:
+    """Per-device bytes the forward part keeps for the backward part, per micro-batch."""
+    eqns = stage.closed.jaxpr.eqns
+    spec_of: dict[Var, tuple] = {}
+    for i in range(stage.num_forward):
+        specs = plan.node_output_specs.get(str(i), ())
+        for k, v in enumerate(eqns[i].outvars):
+            spec_of[v] = specs[k] if k < len(specs) and specs[k] is not None else None
+    later = [v for _, e in (*stage.part("backward"), *stage.part("apply")) for v in e.invars]
+    later += list(stage.grads)
+    mesh = logical_mesh_of(plan.mesh)
+    total = 0.0
+    for v in dict.fromkeys(x for x in later if isinstance(x, Var) and x in spec_of):
+        spec = spec_of[v] or (None,) * len(v.aval.shape)
+        total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+    return total
+
+
+def logical_mesh_of(mesh: MeshPlan) -> LogicalMesh:
+    """A LogicalMesh view of a planned mesh, for byte counts (its link figures are unused)."""
+    n = len(mesh.shape)
+    return LogicalMesh(mesh.shape, mesh.axis_names, (1.0,) * n, (0.0,) * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """PipeshardParallel's choices as plain planner arguments."""
+
+    num_micro_batches: int
+    schedule: str  # "1f1b" or "gpipe"
+    stage_option: object  # AutoStageOption | UniformStageOption | ManualStageOption
+    intra: IntraOpConfig
+
+
+class _LayerCosts:
+    """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh."""
+
+    def __init__(
+        self, parts: StepParts, program: Program, cluster: ClusterSpec, config: PipelineConfig
+    ) -> None:
+        self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
+        self._programs: dict[int, StageProgram] = {}
+        self._costs: dict[tuple, StageCost | None] = {}
+        self.ilp_solves = 0
+
+    def layer_program(self, layer: int) -> StageProgram:
+        if layer not in self._programs:
+            n = self.parts.num_layers
+            ranges = [r for r in ((0, layer), (layer, layer + 1), (layer + 1, n)) if r[0] < r[1]]
+            stage = ranges.index((layer, layer + 1))
+            placement = place_stages(self.parts, ranges)
+            self._programs[layer] = stage_program(
+                self.parts, placement, stage, self.program.signature
+            )
+        return self._programs[layer]
+
+    def layer_cost(self, layer: int, submesh: tuple, logical: tuple) -> StageCost | None:
+        stage = self.layer_program(layer)
+        key = (stage.program.fingerprint, tuple(submesh), tuple(logical))
+        if key not in self._costs:
+            self._costs[key] = self._plan_cost(stage, logical)
+        return self._costs[key]
+
+    def _plan_cost(self, stage: StageProgram, logical: tuple) -> StageCost | None:
+        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+        k = self.config.num_micro_batches
+        self.ilp_solves += 1
+        try:
+            plan = plan_shard_parallel(stage.program, mesh, self.cluster, self.config.intra, k)
+        except PlanningError as e:
+            logger.debug("layer %s on %s cannot run: %s", stage.layers, logical, e)
+            return None
+        stash = stash_bytes(stage, plan.stages[0])
+        return StageCost(
+            latency_s=plan.predicted.step_time_s / k,
+            static_memory_bytes=max(0.0, plan.predicted.memory_per_device_bytes - stash),
+            activation_memory_bytes=stash,
+        )
+
+    def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
+        total = StageCost(0.0, 0.0, 0.0)
+        for layer in range(start, end):
+            cost = self.layer_cost(layer, submesh, logical)
+            if cost is None:
+                return None
+            total = StageCost(
+                total.latency_s + cost.latency_s,
+                total.static_memory_bytes + cost.static_memory_bytes,
+                total.activation_memory_bytes + cost.activation_memory_bytes,
+            )
+        return total
+
+
+def _solve(
+    num_layers: int,
+    cluster_shape: tuple[int, int],
+    cost_fn: Callable,
+    device_memory: float,
+    config: PipelineConfig,
+) -> StageSolution:
+    from autopar.options import ManualStageOption, UniformStageOption
+
+    args = (num_layers, *cluster_shape, config.num_micro_batches, cost_fn, device_memory)
+    option = config.stage_option
+    if isinstance(option, ManualStageOption):
+        return manual_stages(*args, option)
+    if isinstance(option, UniformStageOption):
+        return uniform_stages(*args, option)
+    return solve_stages(*args, option)
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once under `schedule`."""
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(num_micro_batches, num_stages - stage)
+
+
+def plan_pipeshard(
+    parts: StepParts,
+    program: Program,
+    cluster: ClusterSpec,
+    cluster_shape: tuple[int, int],
+    config: PipelineConfig,
+) -> Plan:
+    """The pipeshard plan of a layered step on a (hosts, devices per host) cluster."""
+    start_time = time.perf_counter()
+    costs = _LayerCosts(parts, program, cluster, config)
+    memory = config.intra.memory_budget_per_device or cluster.device_memory
+    solution = _solve(parts.num_layers, cluster_shape, costs, memory, config)
+    dp_seconds = time.perf_counter() - start_time
+    ranges = [a.layers for a in solution.stages]
+    placement = place_stages(parts, ranges)
+    devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
+    k = config.num_micro_batches
+    stage_plans, latencies, peaks, compute, comm, comm_bytes = [], [], [], 0.0, 0.0, 0.0
+    for s, assignment in enumerate(solution.stages):
+        stage = stage_program(parts, placement, s, program.signature)
+        mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
+        planned = plan_shard_parallel(stage.program, mesh, cluster, config.intra, k)
+        p = planned.predicted
+        flight = in_flight(config.schedule, len(ranges), s, k)
+        peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])
+        stage_plans.append(
+            dataclasses.replace(
+                planned.stages[0],
+                index=s,
+                layers=tuple(assignment.layers),
+                input_paths=stage.program.signature.input_paths,
+                predicted=dataclasses.replace(p, memory_per_device_bytes=peak),
+            )
+        )
+        latencies.append(p.step_time_s / k)
+        peaks.append(peak)
+        compute, comm, comm_bytes = (
+            compute + p.compute_s,
+            comm + p.communication_s,
+            comm_bytes + p.communication_bytes,
+        )
+    step = sum(latencies) + (k - 1) * max(latencies)
+    elapsed = time.perf_counter() - start_time
+    shapes = ", ".join(
+        f"layers [{a.layers[0]},{a.layers[1]}) on {a.submesh} as {a.logical_mesh}"
+        for a in solution.stages
+    )
+    note = (
+        f"{len(ranges)} stage(s): {shapes}; {config.schedule}; stage search over "
+        f"{parts.num_layers} layers with {costs.ilp_solves} layer ILP solves in "
+        f"{dp_seconds:.2f} s, planned in {elapsed:.2f} s"
+    )
+    logger.info("pipeshard plan: %s", note)
+    sig = program.signature
+    return Plan(
+        method="pipeshard_parallel",
+        num_micro_batches=k,
+        stages=tuple(stage_plans),
+        predicted=Predicted(
+            step_time_s=step,
+            compute_s=compute,
+            communication_s=comm,
+            memory_per_device_bytes=max(peaks),
+            communication_bytes=comm_bytes,
+        ),
+        cluster=cluster.to_dict(),
+        input_paths=sig.input_paths,
+        output_paths=sig.output_paths,
+        donated_inputs=sig.donated_inputs,
+        fingerprint=program.fingerprint,
+        notes=(note,),
+        pipeline_schedule=config.schedule,
+    )
