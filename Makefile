@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner lint
+.PHONY: demo test bench bench-planner bench-pipeline lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ bench: $(STAMP)
 bench-planner: $(STAMP)
 	$(VENV)/bin/python benchmarks/planning_time.py
 	$(VENV)/bin/python benchmarks/plan_quality.py
+
+bench-pipeline: $(STAMP)
+	$(VENV)/bin/python benchmarks/pipeshard_planning.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -54,7 +54,7 @@ def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSp
             stage_option=method.stage_option,
             intra=method.auto_sharding_option.to_config(),
         )
-        parts = split_step(traced.closed_jaxpr)
+        parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
     if isinstance(method, ShardParallel):
         config = method.auto_sharding_option.to_config()

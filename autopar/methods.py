@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from autopar.options import (
     AutoShardingOption,
+    AutoStageOption,
     LayerOption,
     ManualLayerOption,
     StageOption,
@@ -146,6 +147,11 @@ class PipeshardParallel:
                 raise InvalidArgumentError(
                     f"{name} must be one of {kind}, got {getattr(self, name)!r}"
                 )
+        if isinstance(self.stage_option, AutoStageOption) and self.stage_option.profile:
+            raise InvalidArgumentError(
+                "AutoStageOption(profile=True) is not implemented yet: stages are costed by the "
+                "cost model only; use profile=False"
+            )
         if self.pipeline_schedule not in SCHEDULES:
             raise InvalidArgumentError(
                 f"pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"

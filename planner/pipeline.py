@@ -25,7 +25,15 @@ import hashlib
 import re
 from collections.abc import Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
+from jax.extend.core import (
+    ClosedJaxpr,
+    DebugInfo,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    new_jaxpr_eqn,
+)
 
 from autopar.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.errors import PlanningError
@@ -64,8 +72,11 @@ def _ancestors(roots: Sequence[object], producer: dict[Var, int], eqns: Sequence
     return found
 
 
-def split_step(closed: ClosedJaxpr) -> StepParts:
-    """Assign each top-level eqn of a layered step to a layer's forward or backward, or apply."""
+def split_step(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> StepParts:
+    """Assign each top-level eqn of a layered step to a layer's forward or backward, or apply.
+
+    `batch_inputs` (indices of the step's batch inputs) are split into micro-batches, so like
+    the forward and backward results they may reach the apply part only through the boundary."""
     eqns = closed.jaxpr.eqns
     boundaries = [i for i, e in enumerate(eqns) if e.primitive is grad_boundary_p]
     if len(boundaries) != 1:
@@ -118,26 +129,30 @@ def split_step(closed: ClosedJaxpr) -> StepParts:
     parts = StepParts(
         closed, tuple(map(tuple, forward)), tuple(map(tuple, backward)), tuple(apply), b
     )
-    _check_apply_reads(parts)
+    _check_apply_reads(parts, batch_inputs)
     return parts
 
 
-def _check_apply_reads(parts: StepParts) -> None:
+def _check_apply_reads(parts: StepParts, batch_inputs: Sequence[int]) -> None:
     """Per-micro-batch values may reach the update and the outputs only through the boundary."""
-    eqns = parts.closed.jaxpr.eqns
+    jaxpr = parts.closed.jaxpr
+    eqns = jaxpr.eqns
     per_micro_batch = {
-        v: i for part in (*parts.forward, *parts.backward) for i in part for v in eqns[i].outvars
+        v: f"'{eqns[i].primitive}' (eqn {i})"
+        for part in (*parts.forward, *parts.backward)
+        for i in part
+        for v in eqns[i].outvars
     }
+    per_micro_batch.update((jaxpr.invars[i], f"batch input {i}") for i in batch_inputs)
     readers = [(f"'{eqns[i].primitive}' (eqn {i})", eqns[i].invars) for i in parts.apply]
-    readers.append(("the step's outputs", parts.closed.jaxpr.outvars))
+    readers.append(("the step's outputs", jaxpr.outvars))
     for who, invars in readers:
         for v in invars:
             if isinstance(v, Var) and v in per_micro_batch:
                 raise PlanningError(
-                    f"{who} reads a value computed per micro-batch by "
-                    f"'{eqns[per_micro_batch[v]].primitive}' (eqn {per_micro_batch[v]}) outside "
-                    "the gradient computation; return it from the loss function as aux "
-                    "(has_aux=True) so it is accumulated over micro-batches"
+                    f"{who} reads a value of a micro-batch ({per_micro_batch[v]}) outside the "
+                    "gradient computation; compute it in the loss function and return it as "
+                    "aux (has_aux=True) so it is accumulated over micro-batches"
                 )
 
 
@@ -147,7 +162,7 @@ class StagePlacement:
 
     layer_ranges: tuple[tuple[int, int], ...]
     apply: tuple[tuple[int, ...], ...]  # per stage, eqn indices (shared ones on several stages)
-    boundary_operands: tuple[tuple[int, ...], ...]  # per stage, positions of the boundary's operands
+    boundary_operands: tuple[tuple[int, ...], ...]  # per stage: positions of boundary operands
     output_stage: tuple[int | None, ...]  # per step output: the stage that produces it
 
     @property
@@ -211,9 +226,7 @@ def place_stages(parts: StepParts, layer_ranges: Sequence[tuple[int, int]]) -> S
         tuple(i for i in parts.apply if owned.get(i) == s or s in runs_on.get(i, ()))
         for s in range(len(ranges))
     ]
-    return StagePlacement(
-        ranges, tuple(apply), tuple(map(tuple, operands)), tuple(output_stage)
-    )
+    return StagePlacement(ranges, tuple(apply), tuple(map(tuple, operands)), tuple(output_stage))
 
 
 def _stage_parts(parts: StepParts, ranges, owned: dict[int, int]):
@@ -313,14 +326,19 @@ def stage_program(
     invars = sorted((v for v in reads if v in step_inputs), key=step_inputs.get)
     invars += [v for v in reads if v not in step_inputs and v not in consts]
     constvars = [v for v in reads if v in consts]
-    out_index = {
-        v: j for j, v in enumerate(jaxpr.outvars) if placement.output_stage[j] == stage
-    }
+    out_index = {v: j for j, v in enumerate(jaxpr.outvars) if placement.output_stage[j] == stage}
     ordered = [v for e in body for v in e.outvars]
     outvars = list(dict.fromkeys([*sends, *(v for v in ordered if v in read_elsewhere)]))
     outvars += [v for v in out_index if v not in outvars and isinstance(v, Var) and v in inner]
+    names = (
+        *(
+            signature.input_paths[step_inputs[v]] if v in step_inputs else f"in{p}"
+            for p, v in enumerate(invars)
+        ),
+    )
+    debug = DebugInfo(f"autopar stage {stage}", None, names, None)
     closed = ClosedJaxpr(
-        Jaxpr(constvars, invars, outvars, body, effects=jaxpr.effects),
+        Jaxpr(constvars, invars, outvars, body, effects=jaxpr.effects, debug_info=debug),
         [consts[v] for v in constvars],
     )
 
@@ -398,7 +416,9 @@ def _read_by_other_stages(
         found.update(
             v
             for v in reads
-            if isinstance(v, Var) and not isinstance(v, Literal) and v in defined
+            if isinstance(v, Var)
+            and not isinstance(v, Literal)
+            and v in defined
             and v not in computes
         )
     return found

@@ -45,6 +45,8 @@ from autopar.planner.stages import (
 logger = logging.getLogger(__name__)
 
 STAGE_AXES = ("x", "y")
+# The share of its stage's memory a layer is planned for; the rest holds activations in flight.
+LAYER_MEMORY_FRACTION = 0.8
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -90,13 +92,20 @@ class PipelineConfig:
     intra: IntraOpConfig
 
 
-class _LayerCosts:
+class LayerCosts:
     """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh."""
 
     def __init__(
-        self, parts: StepParts, program: Program, cluster: ClusterSpec, config: PipelineConfig
+        self,
+        parts: StepParts,
+        program: Program,
+        cluster: ClusterSpec,
+        config: PipelineConfig,
+        num_devices: int,
     ) -> None:
         self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
+        self.num_devices = num_devices
+        self.device_memory = config.intra.memory_budget_per_device or cluster.device_memory
         self._programs: dict[int, StageProgram] = {}
         self._costs: dict[tuple, StageCost | None] = {}
         self.ilp_solves = 0
@@ -112,21 +121,39 @@ class _LayerCosts:
             )
         return self._programs[layer]
 
-    def layer_cost(self, layer: int, submesh: tuple, logical: tuple) -> StageCost | None:
+    def budget(self, mesh_devices: int) -> float:
+        """Per-device memory one layer may use on a mesh of `mesh_devices` devices.
+
+        A balanced pipeline puts about L·d/N of the L layers on a stage of d of the N devices,
+        so each layer gets that share of the memory (with room for activations in flight)
+        rather than all of it: the ILP would otherwise buy speed with memory that the other
+        layers of the stage need."""
+        share = self.num_devices / (self.parts.num_layers * mesh_devices)
+        return self.device_memory * min(1.0, LAYER_MEMORY_FRACTION * share)
+
+    def layer_cost(self, layer: int, logical: tuple) -> StageCost | None:
+        """Layer `layer` alone on a logical mesh (its costs depend on the mesh's shape only)."""
         stage = self.layer_program(layer)
-        key = (stage.program.fingerprint, tuple(submesh), tuple(logical))
+        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+        key = (stage.program.fingerprint, mesh.shape)
         if key not in self._costs:
-            self._costs[key] = self._plan_cost(stage, logical)
+            self._costs[key] = self._plan_cost(stage, mesh)
         return self._costs[key]
 
-    def _plan_cost(self, stage: StageProgram, logical: tuple) -> StageCost | None:
-        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+    def _plan_cost(self, stage: StageProgram, mesh: MeshPlan) -> StageCost | None:
         k = self.config.num_micro_batches
-        self.ilp_solves += 1
-        try:
-            plan = plan_shard_parallel(stage.program, mesh, self.cluster, self.config.intra, k)
-        except PlanningError as e:
-            logger.debug("layer %s on %s cannot run: %s", stage.layers, logical, e)
+        plan = None
+        for budget in dict.fromkeys((self.budget(mesh.num_devices), self.device_memory)):
+            self.ilp_solves += 1
+            intra = dataclasses.replace(self.config.intra, memory_budget_per_device=budget)
+            try:
+                plan = plan_shard_parallel(stage.program, mesh, self.cluster, intra, k)
+                break
+            except PlanningError as e:
+                logger.debug(
+                    "layer %s on %s in %.3g bytes: %s", stage.layers, mesh.shape, budget, e
+                )
+        if plan is None:
             return None
         stash = stash_bytes(stage, plan.stages[0])
         return StageCost(
@@ -138,7 +165,7 @@ class _LayerCosts:
     def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
         total = StageCost(0.0, 0.0, 0.0)
         for layer in range(start, end):
-            cost = self.layer_cost(layer, submesh, logical)
+            cost = self.layer_cost(layer, logical)
             if cost is None:
                 return None
             total = StageCost(
@@ -180,10 +207,13 @@ def plan_pipeshard(
     cluster: ClusterSpec,
     cluster_shape: tuple[int, int],
     config: PipelineConfig,
+    costs: LayerCosts | None = None,
 ) -> Plan:
-    """The pipeshard plan of a layered step on a (hosts, devices per host) cluster."""
+    """The pipeshard plan of a layered step on a (hosts, devices per host) cluster.
+
+    `costs` may pass in a `LayerCosts` whose cached layer plans are reused (and kept)."""
     start_time = time.perf_counter()
-    costs = _LayerCosts(parts, program, cluster, config)
+    costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     memory = config.intra.memory_budget_per_device or cluster.device_memory
     solution = _solve(parts.num_layers, cluster_shape, costs, memory, config)
     dp_seconds = time.perf_counter() - start_time
@@ -192,10 +222,14 @@ def plan_pipeshard(
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
     stage_plans, latencies, peaks, compute, comm, comm_bytes = [], [], [], 0.0, 0.0, 0.0
+    repeated: dict[tuple, Plan] = {}  # identical stages on equal meshes are planned once
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
-        planned = plan_shard_parallel(stage.program, mesh, cluster, config.intra, k)
+        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names)
+        if key not in repeated:
+            repeated[key] = plan_shard_parallel(stage.program, mesh, cluster, config.intra, k)
+        planned = repeated[key]
         p = planned.predicted
         flight = in_flight(config.schedule, len(ranges), s, k)
         peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])
@@ -203,6 +237,7 @@ def plan_pipeshard(
             dataclasses.replace(
                 planned.stages[0],
                 index=s,
+                mesh=mesh,
                 layers=tuple(assignment.layers),
                 input_paths=stage.program.signature.input_paths,
                 predicted=dataclasses.replace(p, memory_per_device_bytes=peak),

@@ -75,9 +75,7 @@ def _reads_of(eqns) -> list[Var]:
     """Variables the eqns read that they do not define themselves, in first-read order."""
     inner = {v for _, e in eqns for v in e.outvars}
     return list(
-        dict.fromkeys(
-            v for _, e in eqns for v in e.invars if isinstance(v, Var) and v not in inner
-        )
+        dict.fromkeys(v for _, e in eqns for v in e.invars if isinstance(v, Var) and v not in inner)
     )
 
 
@@ -105,11 +103,11 @@ class PipelineExecutable:
         self._traced = traced
         self._k = plan.num_micro_batches
         jaxpr = traced.closed_jaxpr.jaxpr
-        parts = split_step(traced.closed_jaxpr)
+        signature = traced.program.signature
+        parts = split_step(traced.closed_jaxpr, signature.batch_inputs)
         placement = place_stages(parts, [s.layers for s in plan.stages])
         self._placement = placement
         self.schedule: Schedule = make_schedule(plan.pipeline_schedule, len(plan.stages), self._k)
-        signature = traced.program.signature
         self._stages = [
             self._bind(stage_program(parts, placement, s, signature), plan.stages[s], devices)
             for s in range(len(plan.stages))
@@ -160,9 +158,10 @@ class PipelineExecutable:
         return run
 
     def _build_segments(self, parts: StepParts) -> None:
+        step_outputs = self._traced.closed_jaxpr.jaxpr.outvars
         outputs = {
             v
-            for v, s in zip(self._traced.closed_jaxpr.jaxpr.outvars, self._placement.output_stage)
+            for v, s in zip(step_outputs, self._placement.output_stage, strict=True)
             if s is not None and isinstance(v, Var)
         }
         levels = self._apply_levels(parts)

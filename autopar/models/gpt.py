@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
+from autopar.markers import mark_pipeline_boundary
 from autopar.models.common import Batch, GradFn, Metrics, TrainStep, dense_param_count
 
 ALPA_GPT_SIZES: dict[str, tuple[int, int, int]] = {
@@ -51,6 +52,7 @@ class GPTConfig:
     num_heads: int = 4
     mlp_ratio: int = 4
     dtype: Any = jnp.float32
+    pipeline_boundaries: bool = False  # mark a pipeline layer boundary between blocks
 
     def __post_init__(self) -> None:
         if self.hidden % self.num_heads:
@@ -125,6 +127,8 @@ class GPT(nn.Module):
         x = wte(tokens)
         x = x + pos[: tokens.shape[1]].astype(c.dtype)
         for i in range(c.num_layers):
+            if c.pipeline_boundaries and i > 0:
+                mark_pipeline_boundary()
             x = Block(c, name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
         return nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, name="lm_head")(x)

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
+from autopar.markers import mark_pipeline_boundary
 from autopar.models.common import Batch, GradFn, Metrics, TrainStep, dense_param_count
 
 
@@ -29,6 +30,7 @@ class MLPConfig:
     hidden: int = 64
     out_dim: int = 16
     num_layers: int = 2
+    pipeline_boundaries: bool = False  # mark a pipeline layer boundary between dense layers
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -49,6 +51,8 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dims = self.config.layer_dims[1:]
         for i, features in enumerate(dims):
+            if self.config.pipeline_boundaries and i > 0:
+                mark_pipeline_boundary()
             x = nn.Dense(features, name=f"dense_{i}")(x)
             if i < len(dims) - 1:
                 x = nn.relu(x)

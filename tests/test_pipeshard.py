@@ -1,0 +1,277 @@
+"""PipeshardParallel on 8 simulated devices: parameters after 3 steps against the serial step,
+stages on disjoint sub-meshes (read off the outputs' shardings), the stage split, bad inputs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_error
+
+import autopar
+from autopar.models import GPTConfig, MLPConfig, gpt, mlp
+from autopar.planner.pipeline import place_stages, split_step
+from autopar.tracing import trace_step
+
+BATCH = 32
+MICRO_BATCHES = 4
+STEPS = 3
+FAMILIES = {
+    "mlp": (mlp, MLPConfig(in_dim=64, hidden=64, out_dim=64, num_layers=4)),
+    "gpt": (gpt, GPTConfig(num_layers=4)),
+}
+
+
+def _config(family: str, manual_layers: bool):
+    module, config = FAMILIES[family]
+    if manual_layers:
+        config = type(config)(**{**config.__dict__, "pipeline_boundaries": True})
+    return module, config
+
+
+@functools.cache
+def serial_params(family: str):
+    """Parameters after STEPS serial `jax.jit` full-batch steps."""
+    module, config = FAMILIES[family]
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, BATCH)
+    step = jax.jit(module.train_step)
+    for _ in range(STEPS):
+        state, _ = step(state, batch)
+    return state.params
+
+
+def _run(family: str, method, manual_layers: bool = False, steps: int = STEPS):
+    module, config = _config(family, manual_layers)
+    step = autopar.parallelize(module.make_train_step(autopar.value_and_grad), method=method)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, BATCH)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    return step, state, metrics, batch
+
+
+def _method(stages: int, schedule: str, layers: str, **kwargs):
+    layer_option = (
+        autopar.ManualLayerOption() if layers == "manual" else autopar.AutoLayerOption(layer_num=4)
+    )
+    return autopar.PipeshardParallel(
+        num_micro_batches=MICRO_BATCHES,
+        layer_option=layer_option,
+        stage_option=kwargs.pop("stage_option", None) or autopar.UniformStageOption(stages),
+        pipeline_schedule=schedule,
+        **kwargs,
+    )
+
+
+def _device_groups(tree) -> set[frozenset]:
+    return {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(tree)}
+
+
+def _check_stages(state, plan, num_stages: int) -> None:
+    """Each stage's parameters live on its own sub-mesh; the sub-meshes split the 8 devices."""
+    groups = _device_groups(state.params)
+    assert len(groups) == num_stages
+    assert sum(len(g) for g in groups) == 8 and len(frozenset().union(*groups)) == 8
+    assert len(plan.stages) == num_stages
+    covered = [k for s in plan.stages for k in range(*s.layers)]
+    assert covered == list(range(plan.stages[-1].layers[1]))
+
+
+# Every (stages, schedule, layers) for the MLP; for GPT, four cases that cover each value twice.
+CASES = [
+    ("mlp", s, sched, lay)
+    for s in (2, 4)
+    for sched in ("1f1b", "gpipe")
+    for lay in ("manual", "auto")
+] + [
+    ("gpt", 2, "1f1b", "manual"),
+    ("gpt", 2, "gpipe", "auto"),
+    ("gpt", 4, "1f1b", "auto"),
+    ("gpt", 4, "gpipe", "manual"),
+]
+
+
+@pytest.mark.parametrize("family,stages,schedule,layers", CASES)
+def test_matches_serial_step(family, stages, schedule, layers):
+    method = _method(stages, schedule, layers)
+    step, state, metrics, batch = _run(family, method, manual_layers=layers == "manual")
+    assert np.isfinite(float(metrics["loss"]))
+    assert relative_error(state.params, serial_params(family)) <= 1e-5
+    plan = step.get_plan(state, batch)
+    assert plan.pipeline_schedule == schedule
+    _check_stages(state, plan, stages)
+
+
+def test_auto_stages_run_and_match():
+    step, state, _, batch = _run(
+        "mlp", _method(0, "1f1b", "auto", stage_option=autopar.AutoStageOption())
+    )
+    assert relative_error(state.params, serial_params("mlp")) <= 1e-5
+    plan = step.get_plan(state, batch)
+    devices = sorted(i for s in plan.stages for i in s.mesh.device_indices)
+    assert devices == list(range(8))  # the DP uses every device exactly once
+    _check_stages(state, plan, len(plan.stages))
+
+
+def test_manual_stages_with_2d_logical_meshes():
+    option = autopar.ManualStageOption(
+        forward_stage_layer_ids=((0, 1), (2, 3)),
+        submesh_physical_shapes=((1, 4), (1, 4)),
+        submesh_logical_shapes=((2, 2), (4, 1)),
+    )
+    step, state, _, batch = _run("mlp", _method(2, "1f1b", "manual", stage_option=option), True)
+    assert relative_error(state.params, serial_params("mlp")) <= 1e-5
+    plan = step.get_plan(state, batch)
+    assert [s.mesh.shape for s in plan.stages] == [(2, 2), (4,)]
+    assert [s.layers for s in plan.stages] == [(0, 2), (2, 4)]
+    assert [s.mesh.device_indices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_executable_exposes_segments_hlo_and_memory():
+    step, state, _, batch = _run("mlp", _method(2, "gpipe", "auto"), steps=1)
+    executable = step.get_executable(state, batch)
+    assert isinstance(executable, autopar.PipelineExecutable)
+    hlo = executable.get_hlo_text()
+    for name in ("stage0.forward", "stage0.backward", "stage1.forward", "stage1.apply0"):
+        assert f"// {name}" in hlo
+    stats = executable.memory_stats()
+    assert len(stats) == 2 and all(s.peak_bytes > 0 for s in stats)
+    print(executable.schedule.to_text())
+
+
+def test_plan_round_trips_through_json():
+    module, config = _config("mlp", False)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, BATCH)
+    plan = autopar.plan(
+        module.make_train_step(autopar.value_and_grad),
+        state,
+        batch,
+        method=_method(2, "1f1b", "auto"),
+    )
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+    text = plan.summary()
+    assert "1f1b pipeline" in text and "stage 1: layers [2,4)" in text
+
+
+# ------------------------------------------------------------------ the stage split
+
+
+def _traced(fun, args, layers=4):
+    return trace_step(
+        fun,
+        args,
+        static_argnums=(),
+        batch_argnums=(1,),
+        donate_argnums=(0,),
+        regather_params=False,
+        layer_option=autopar.AutoLayerOption(layer_num=layers),
+    )
+
+
+def _mlp_args():
+    module, config = _config("mlp", False)
+    return module, (module.create_train_state(config, batch_size=2), module.make_batch(config, 8))
+
+
+def test_split_puts_every_live_eqn_in_one_part():
+    module, args = _mlp_args()
+    traced = _traced(module.make_train_step(autopar.value_and_grad), args)
+    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    assert parts.num_layers == 4
+    assigned = [i for p in (*parts.forward, *parts.backward) for i in p] + list(parts.apply)
+    assert len(assigned) == len(set(assigned))
+    assert all(parts.forward) and all(parts.backward)
+    assert max(i for p in parts.forward for i in p) < min(i for p in parts.backward for i in p)
+    assert parts.boundary < min(i for i in parts.apply if i > parts.boundary)
+
+
+def test_update_runs_where_its_gradients_are():
+    """Adam's moments of a parameter are updated on the parameter's stage; the step counter,
+    which reads no gradient, is recomputed on each stage that needs it."""
+    module, args = _mlp_args()
+    traced = _traced(module.make_train_step(autopar.value_and_grad), args)
+    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    placement = place_stages(parts, [(0, 2), (2, 4)])
+    eqns = traced.closed_jaxpr.jaxpr.eqns
+    shared = set(placement.apply[0]) & set(placement.apply[1])
+    assert shared and all(eqns[i].primitive.name != "dot_general" for i in shared)
+    only = [set(placement.apply[s]) - shared for s in (0, 1)]
+    assert all(only)
+
+
+def test_value_from_the_batch_outside_the_gradient_is_rejected():
+    module, args = _mlp_args()
+
+    def step(state, batch):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        prediction = state.apply_fn({"params": state.params}, batch["x"])
+        return state.apply_gradients(grads=grads), prediction
+
+    method = _method(2, "1f1b", "auto")
+    with pytest.raises(autopar.PlanningError, match="micro-batch"):
+        autopar.plan(step, *args, method=method)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _plan(method, family="mlp", batch_size=BATCH, manual_layers=False, grad=None):
+    module, config = _config(family, manual_layers)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, batch_size)
+    step = module.make_train_step(grad or autopar.value_and_grad)
+    return autopar.plan(step, state, batch, method=method)
+
+
+def test_manual_stages_must_cover_the_devices():
+    option = autopar.ManualStageOption(((0, 1), (2, 3)), ((1, 2), (1, 2)), ((1, 2), (2, 1)))
+    with pytest.raises(autopar.InvalidArgumentError, match="8"):
+        _plan(_method(2, "1f1b", "auto", stage_option=option))
+
+
+def test_micro_batches_must_divide_the_batch():
+    with pytest.raises(autopar.InvalidArgumentError, match="num_micro_batches=4"):
+        _plan(_method(2, "1f1b", "auto"), batch_size=30)
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(
+        autopar.InvalidArgumentError, match="num_stages=8 is more than the 4 layers"
+    ):
+        _plan(_method(8, "1f1b", "auto"))
+
+
+def test_stages_must_split_the_devices_evenly():
+    with pytest.raises(autopar.InvalidArgumentError, match="num_stages=3"):
+        _plan(_method(3, "1f1b", "auto"))
+
+
+def test_manual_layers_need_markers():
+    with pytest.raises(autopar.InvalidArgumentError, match="mark_pipeline_boundary"):
+        _plan(_method(2, "1f1b", "manual"))
+
+
+def test_jax_grad_cannot_be_pipelined():
+    with pytest.raises(autopar.PlanningError, match="autopar.grad"):
+        _plan(_method(2, "1f1b", "auto"), grad=jax.value_and_grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"pipeline_schedule": "interleaved"}, "pipeline_schedule"),
+        ({"num_micro_batches": 0}, "num_micro_batches"),
+        ({"layer_option": 4}, "layer_option"),
+        ({"stage_option": "auto"}, "stage_option"),
+        ({"stage_option": autopar.AutoStageOption(profile=True)}, "profile"),
+    ],
+)
+def test_bad_method_arguments(kwargs, match):
+    with pytest.raises(autopar.InvalidArgumentError, match=match):
+        autopar.PipeshardParallel(**kwargs)
