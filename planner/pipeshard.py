@@ -4,8 +4,9 @@
 2. Every layer is planned alone by the ILP on every candidate logical mesh (cost-model mode):
    its predicted time per micro-batch, its state and its stashed activations. Layers with the
    same structure (repeated transformer blocks) are planned once per mesh. A candidate stage
-   costs the sum of its layers; ignoring resharding between layers of one stage and the
-   transfers between stages, as Alpa's DP does.
+   costs the sum of its layers' times, state and stashed activations plus the largest of their
+   temporaries; ignoring resharding between layers of one stage and the transfers between
+   stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges and sub-meshes.
 4. Each chosen stage is planned as a whole by the ILP on its logical mesh; the plan's predicted
    step time is Σ t + (B−1)·max t over those stage plans.
@@ -76,6 +77,33 @@ def stash_bytes(stage: StageProgram, plan: StagePlan) -> float:
     return total
 
 
+def state_bytes(stage: StageProgram, plan: StagePlan) -> float:
+    """Per-device bytes that live through the whole step: the state the stage reads (parameters,
+    optimizer state) as stored, plus its gradient accumulators."""
+    mesh = logical_mesh_of(plan.mesh)
+    invars = stage.closed.jaxpr.invars
+    total = 0.0
+    for v, spec in zip(invars, plan.input_specs, strict=True):
+        if v not in stage.per_micro_batch_inputs:
+            total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+    accumulated = plan.node_output_specs.get(str(stage.boundary_index), ())
+    for v, spec in zip(stage.means, accumulated, strict=False):
+        spec = spec or (None,) * len(v.aval.shape)
+        total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer planned alone: time per micro-batch and per-device memory by how it adds up
+    over the layers of a stage (state and stashed activations add; temporaries do not)."""
+
+    latency_s: float
+    state_bytes: float
+    stash_bytes: float
+    temporary_bytes: float
+
+
 def logical_mesh_of(mesh: MeshPlan) -> LogicalMesh:
     """A LogicalMesh view of a planned mesh, for byte counts (its link figures are unused)."""
     n = len(mesh.shape)
@@ -121,17 +149,22 @@ class LayerCosts:
             )
         return self._programs[layer]
 
-    def budget(self, mesh_devices: int) -> float:
-        """Per-device memory one layer may use on a mesh of `mesh_devices` devices.
+    def budgets(self, mesh_devices: int) -> list[float]:
+        """Per-device memory budgets to plan one layer on a mesh of `mesh_devices`, tightest
+        first (the first that fits is used).
 
         A balanced pipeline puts about L·d/N of the L layers on a stage of d of the N devices,
-        so each layer gets that share of the memory (with room for activations in flight)
+        so a layer first gets that share of the memory (with room for activations in flight)
         rather than all of it: the ILP would otherwise buy speed with memory that the other
-        layers of the stage need."""
+        layers of the stage need. Where the share cannot hold the layer, it is doubled."""
         share = self.num_devices / (self.parts.num_layers * mesh_devices)
-        return self.device_memory * min(1.0, LAYER_MEMORY_FRACTION * share)
+        budget = self.device_memory * min(1.0, LAYER_MEMORY_FRACTION * share)
+        found = [budget]
+        while found[-1] < self.device_memory:
+            found.append(min(self.device_memory, 2 * found[-1]))
+        return found
 
-    def layer_cost(self, layer: int, logical: tuple) -> StageCost | None:
+    def layer_cost(self, layer: int, logical: tuple) -> LayerCost | None:
         """Layer `layer` alone on a logical mesh (its costs depend on the mesh's shape only)."""
         stage = self.layer_program(layer)
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
@@ -140,10 +173,10 @@ class LayerCosts:
             self._costs[key] = self._plan_cost(stage, mesh)
         return self._costs[key]
 
-    def _plan_cost(self, stage: StageProgram, mesh: MeshPlan) -> StageCost | None:
+    def _plan_cost(self, stage: StageProgram, mesh: MeshPlan) -> LayerCost | None:
         k = self.config.num_micro_batches
         plan = None
-        for budget in dict.fromkeys((self.budget(mesh.num_devices), self.device_memory)):
+        for budget in self.budgets(mesh.num_devices):
             self.ilp_solves += 1
             intra = dataclasses.replace(self.config.intra, memory_budget_per_device=budget)
             try:
@@ -156,24 +189,23 @@ class LayerCosts:
         if plan is None:
             return None
         stash = stash_bytes(stage, plan.stages[0])
-        return StageCost(
-            latency_s=plan.predicted.step_time_s / k,
-            static_memory_bytes=max(0.0, plan.predicted.memory_per_device_bytes - stash),
-            activation_memory_bytes=stash,
+        state = state_bytes(stage, plan.stages[0])
+        peak = plan.predicted.memory_per_device_bytes
+        return LayerCost(
+            plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash)
         )
 
     def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
-        total = StageCost(0.0, 0.0, 0.0)
-        for layer in range(start, end):
-            cost = self.layer_cost(layer, logical)
-            if cost is None:
-                return None
-            total = StageCost(
-                total.latency_s + cost.latency_s,
-                total.static_memory_bytes + cost.static_memory_bytes,
-                total.activation_memory_bytes + cost.activation_memory_bytes,
-            )
-        return total
+        """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring)."""
+        costs = [self.layer_cost(layer, logical) for layer in range(start, end)]
+        if any(c is None for c in costs):
+            return None
+        return StageCost(
+            latency_s=sum(c.latency_s for c in costs),
+            static_memory_bytes=sum(c.state_bytes for c in costs)
+            + max(c.temporary_bytes for c in costs),
+            activation_memory_bytes=sum(c.stash_bytes for c in costs),
+        )
 
 
 def _solve(

@@ -178,8 +178,9 @@ class PipelineExecutable:
         for stage, kind, _, eqns in pieces:
             r = _reads_of(eqns)
             if kind == "backward":
+                inner = {x for _, e in eqns for x in e.outvars}
                 r += [g for g in stage.program.grads if isinstance(g, Var) and g not in r]
-                r = [v for v in r if v not in {x for _, e in eqns for x in e.outvars}]
+                r = [v for v in r if v not in inner]
             reads.append(r)
         for n, (stage, kind, level, eqns) in enumerate(pieces):
             defined = [v for _, e in eqns for v in e.outvars]
@@ -209,9 +210,10 @@ class PipelineExecutable:
         placement: StagePlacement = self._placement
         level_of: dict[tuple[int, Var], int] = {}
         made_by: dict[Var, list[int]] = {}
+        runs = [set(a) for a in placement.apply]
         for i in parts.apply:
             for s in range(placement.num_stages):
-                if i not in placement.apply[s]:
+                if i not in runs[s]:
                     continue
                 level = 0
                 for v in eqns[i].invars:
