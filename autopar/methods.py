@@ -32,6 +32,13 @@ def _check_micro_batches(value: int | None) -> None:
         )
 
 
+def _check_mesh_rank(method: str, devices: Any) -> None:
+    if isinstance(devices, Mesh) and len(devices.axis_names) > 2:
+        raise InvalidArgumentError(
+            f"{method} plans for 1D or 2D meshes; got a mesh with axes {devices.axis_names}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """Split the batch over all devices; replicate parameters and optimizer state.
@@ -93,11 +100,7 @@ class ShardParallel:
                 f"auto_sharding_option must be an AutoShardingOption, got "
                 f"{self.auto_sharding_option!r}"
             )
-        if isinstance(self.devices, Mesh) and len(self.devices.axis_names) > 2:
-            raise InvalidArgumentError(
-                f"ShardParallel plans for 1D or 2D meshes; got a mesh with axes "
-                f"{self.devices.axis_names}"
-            )
+        _check_mesh_rank("ShardParallel", self.devices)
 
     @property
     def regather_params(self) -> bool:
@@ -156,11 +159,7 @@ class PipeshardParallel:
             raise InvalidArgumentError(
                 f"pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
             )
-        if isinstance(self.devices, Mesh) and len(self.devices.axis_names) > 2:
-            raise InvalidArgumentError(
-                f"PipeshardParallel takes a 1D or 2D (hosts, devices) mesh; got axes "
-                f"{self.devices.axis_names}"
-            )
+        _check_mesh_rank("PipeshardParallel", self.devices)
 
     @property
     def regather_params(self) -> bool:
