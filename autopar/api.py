@@ -20,6 +20,7 @@ from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
+from autopar.runtime.profile import StageProfiler
 from autopar.tracing import (
     TracedStep,
     argument_names,
@@ -44,8 +45,15 @@ def _check_method(method: Any) -> Method:
     return method
 
 
-def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSpec) -> Plan:
-    """Hand a method (configuration) to its planner as explicit arguments."""
+def _plan(
+    traced: TracedStep,
+    method: Method,
+    mesh: MeshPlan,
+    cluster: ClusterSpec,
+    devices: Sequence[jax.Device] = (),
+) -> Plan:
+    """Hand a method (configuration) to its planner as explicit arguments. `devices` are those
+    the plan will run on (none when planning abstractly)."""
     k = method.num_micro_batches or 1
     if isinstance(method, PipeshardParallel):
         config = PipelineConfig(
@@ -55,7 +63,20 @@ def _plan(traced: TracedStep, method: Method, mesh: MeshPlan, cluster: ClusterSp
             intra=method.auto_sharding_option.to_config(),
         )
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
-        return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
+        if not method.profiles:
+            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
+        if not devices:
+            raise InvalidArgumentError(
+                "AutoStageOption(profile=True) times stages on the devices, but this plan is "
+                "made without them (autopar.plan); use profile=False (the cost model) or run "
+                "the step through autopar.parallelize"
+            )
+        run_on = [devices[i] for i in mesh.device_indices]
+        profiler = StageProfiler(parts, traced.program, cluster, config, run_on)
+        try:
+            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
+        finally:
+            profiler.close()
     if isinstance(method, ShardParallel):
         config = method.auto_sharding_option.to_config()
         return plan_shard_parallel(traced.program, mesh, cluster, config, k)
@@ -142,9 +163,10 @@ class ParallelizedFunc:
         if key not in self._plans:
             self._check_batch(args)
             runtime = current_runtime()
-            mesh, _ = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
+            mesh, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
             traced = trace_for_method(self.fun, args, self.method, self._argnums(args))
-            self._plans[key] = (traced, _plan(traced, self.method, mesh, runtime.cluster_spec))
+            plan = _plan(traced, self.method, mesh, runtime.cluster_spec, devices)
+            self._plans[key] = (traced, plan)
         return self._plans[key]
 
     def get_plan(self, *args: Any) -> Plan:

@@ -150,11 +150,6 @@ class PipeshardParallel:
                 raise InvalidArgumentError(
                     f"{name} must be one of {kind}, got {getattr(self, name)!r}"
                 )
-        if isinstance(self.stage_option, AutoStageOption) and self.stage_option.profile:
-            raise InvalidArgumentError(
-                "AutoStageOption(profile=True) is not implemented yet: stages are costed by the "
-                "cost model only; use profile=False"
-            )
         if self.pipeline_schedule not in SCHEDULES:
             raise InvalidArgumentError(
                 f"pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
@@ -165,6 +160,11 @@ class PipeshardParallel:
     def regather_params(self) -> bool:
         """Layers must stay visible to differentiation, so no whole-loss remat for FSDP."""
         return False
+
+    @property
+    def profiles(self) -> bool:
+        """Whether the stage DP measures candidate stages on the devices (profiling mode)."""
+        return isinstance(self.stage_option, AutoStageOption) and self.stage_option.profile
 
 
 Method = DataParallel | ShardParallel | PipeshardParallel

@@ -15,6 +15,7 @@ cost (e.g. bytes stored), small enough never to outweigh a real cost.
 Memory: for each step t, arguments + outputs + temporaries live at t must fit the budget. There
 are as many steps as nodes, so constraints are added lazily: solve, find the steps over budget
 under the solution, add those, solve again (a cutting-plane loop; it stops when the solution fits).
+The model and its cuts are kept, so solving again under a tighter budget starts from them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import numpy as np
 import pulp
 
 from autopar.planner.errors import PlanningError
-from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class IntraOpIlp:
         self.memory = memory
         self.solver = solver
         self.time_limit_s = time_limit_s
+        self._time: tuple[pulp.LpProblem, list] | None = None  # the time model and its cuts
+        self._cuts: dict[int, pulp.LpConstraint] = {}
+        self._budget = np.inf
 
     # ------------------------------------------------------------------ model
 
@@ -170,7 +173,7 @@ class IntraOpIlp:
         )
         return prob, s
 
-    def _add_memory_cut(self, prob, s, step: int, bound) -> None:
+    def _add_memory_cut(self, prob, s, step: int, bound) -> pulp.LpConstraint:
         per_class, const = self.memory.coefficients(step)
         terms = [
             (s[c][k], coef[k] / _MIB)
@@ -178,7 +181,9 @@ class IntraOpIlp:
             for k in range(len(coef))
             if coef[k]
         ]
-        prob += pulp.LpAffineExpression(terms) + const / _MIB <= bound, f"mem_{step}"
+        constraint = pulp.LpAffineExpression(terms) + const / _MIB <= bound
+        prob += constraint, f"mem_{step}"
+        return constraint
 
     # ------------------------------------------------------------------ solving
 
@@ -195,9 +200,16 @@ class IntraOpIlp:
         choices = np.array([int(np.argmax([v.varValue or 0.0 for v in vs])) for vs in s])
         return choices, prob.sol_status == pulp.LpSolutionOptimal
 
-    def _cut_loop(self, prob, s, fits: Callable[[np.ndarray, np.ndarray], bool], bound):
-        """Solve, adding memory cuts at the worst steps until `fits`; None if infeasible."""
-        cut: set[int] = set()
+    def _cut_loop(
+        self,
+        prob,
+        s,
+        fits: Callable[[np.ndarray, np.ndarray], bool],
+        bound,
+        cut: dict[int, pulp.LpConstraint],
+    ):
+        """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`;
+        None if infeasible."""
         optimal = True
         for rounds in range(1, _MAX_CUT_ROUNDS + 1):
             result = self._solve(prob, s)
@@ -210,28 +222,32 @@ class IntraOpIlp:
                 return choices, optimal, rounds
             worst = [int(t) for t in np.argsort(-per_step, kind="stable") if int(t) not in cut]
             for step in worst[:_CUTS_PER_ROUND]:
-                cut.add(step)
-                self._add_memory_cut(prob, s, step, bound)
+                cut[step] = self._add_memory_cut(prob, s, step, bound)
         raise PlanningError(
             f"the memory constraints did not converge in {_MAX_CUT_ROUNDS} rounds; raise "
             "AutoShardingOption.memory_budget_per_device or report this model"
         )
 
-    def solve(self, budget_bytes: float) -> Solution:
-        """The least-time choices whose memory fits `budget_bytes` per device."""
+    def solve(self, budget_bytes: float) -> Solution | None:
+        """The least-time choices whose memory fits `budget_bytes` per device; None if none do.
+
+        Solving again with a budget no larger reuses the model and the cuts found so far."""
         start = time.perf_counter()
-        prob, s = self._time_problem()
+        if self._time is None or budget_bytes > self._budget:
+            self._time, self._cuts = self._time_problem(), {}
+        prob, s = self._time
+        for constraint in self._cuts.values():  # the same cuts, at the new bound
+            constraint.constant += (self._budget - budget_bytes) / _MIB
+        self._budget = budget_bytes
         result = self._cut_loop(
-            prob, s, lambda _, per_step: per_step.max() <= budget_bytes, budget_bytes / _MIB
+            prob,
+            s,
+            lambda _, per_step: per_step.max() <= budget_bytes,
+            budget_bytes / _MIB,
+            self._cuts,
         )
         if result is None:
-            least = self.least_memory()
-            raise PlanningError(
-                f"no sharding plan fits the memory budget of {format_bytes(budget_bytes)} per "
-                f"device; the least memory per device that would fit is about "
-                f"{format_bytes(least)} (set AutoShardingOption(memory_budget_per_device=...) "
-                "or use more devices)"
-            )
+            return None
         choices, optimal, rounds = result
         if not optimal:
             logger.warning(
@@ -247,7 +263,7 @@ class IntraOpIlp:
         peak = pulp.LpVariable("peak_mib", lowBound=0)
         prob += peak
         result = self._cut_loop(
-            prob, s, lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6, peak
+            prob, s, lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6, peak, {}
         )
         if result is None:
             raise PlanningError("the sharding ILP has no solution even without a memory budget")

@@ -18,6 +18,7 @@ import numpy as np
 from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh
+from autopar.planner.errors import PlanningError
 from autopar.planner.explicit import param_inputs, split_spec
 from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value, assign_classes, group_graph, input_value
@@ -41,6 +42,7 @@ from autopar.planner.plan import (
 )
 from autopar.planner.program import Program, StepSignature
 from autopar.planner.strategy import storage_specs
+from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +288,87 @@ def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuil
     return edges
 
 
+class ShardingProblem:
+    """One program on one mesh with its menus, costs and ILP built once: `solve` plans it for a
+    memory budget, and solving again under a tighter budget reuses the ILP's memory cuts."""
+
+    def __init__(
+        self,
+        program: Program,
+        mesh_plan: MeshPlan,
+        cluster: ClusterSpec,
+        config: IntraOpConfig,
+        num_micro_batches: int,
+    ) -> None:
+        start = time.perf_counter()
+        self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
+        self.num_micro_batches = num_micro_batches
+        mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
+        self.problem = _build(program, mesh, cluster, config, num_micro_batches)
+        self.memory = _Memory(self.problem)
+        num_choices, costs, self.edges = _class_inputs(
+            self.problem, self.memory.input_sizes, max(mesh.bandwidths)
+        )
+        self.ilp = IntraOpIlp(
+            num_choices,
+            costs,
+            self.edges,
+            MemoryModel(self.memory.evaluate, self.memory.coefficients),
+            solver=config.solver,
+            time_limit_s=config.time_limit_s,
+        )
+        self.build_seconds = time.perf_counter() - start
+
+    def solve(self, budget: float) -> Plan | None:
+        """The fastest plan within `budget` bytes per device; None if none fits."""
+        start = time.perf_counter()
+        solution = self.ilp.solve(budget)
+        if solution is None:
+            return None
+        program, problem = self.program, self.problem
+        choice = solution.choices[self.memory.cls]
+        stage, predicted = _emit(program, problem, self.mesh_plan, self.memory, choice)
+        elapsed = self.build_seconds + time.perf_counter() - start
+        self.build_seconds = 0.0  # counted in the first plan only
+        logger.info(
+            "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s "
+            "(%d rounds)",
+            len(program.graph),
+            len(problem.grouping.groups),
+            problem.num_classes,
+            len(self.edges),
+            solution.seconds,
+            solution.rounds,
+        )
+        note = (
+            f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
+            f"{'optimal' if solution.optimal else 'time limit hit, best found'}, planned in "
+            f"{elapsed:.2f} s"
+        )
+        sig = program.signature
+        return Plan(
+            method="shard_parallel",
+            num_micro_batches=self.num_micro_batches,
+            stages=(stage,),
+            predicted=predicted,
+            cluster=self.cluster.to_dict(),
+            input_paths=sig.input_paths,
+            output_paths=sig.output_paths,
+            donated_inputs=sig.donated_inputs,
+            fingerprint=program.fingerprint,
+            notes=(note,),
+        )
+
+    def over_budget(self, budget: float) -> PlanningError:
+        """The error for a budget nothing fits in, with the least memory that would fit."""
+        least = self.ilp.least_memory()
+        return PlanningError(
+            f"no sharding plan fits the memory budget of {format_bytes(budget)} per device; the "
+            f"least memory per device that would fit is about {format_bytes(least)} (set "
+            "AutoShardingOption(memory_budget_per_device=...) or use more devices)"
+        )
+
+
 def plan_shard_parallel(
     program: Program,
     mesh_plan: MeshPlan,
@@ -294,51 +377,12 @@ def plan_shard_parallel(
     num_micro_batches: int,
 ) -> Plan:
     """The ILP plan of `program` on `mesh_plan` (1D or 2D) for `cluster`'s costs."""
-    start = time.perf_counter()
-    mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
-    problem = _build(program, mesh, cluster, config, num_micro_batches)
-    memory = _Memory(problem)
-    num_choices, costs, edges = _class_inputs(problem, memory.input_sizes, max(mesh.bandwidths))
-    ilp = IntraOpIlp(
-        num_choices,
-        costs,
-        edges,
-        MemoryModel(memory.evaluate, memory.coefficients),
-        solver=config.solver,
-        time_limit_s=config.time_limit_s,
-    )
+    problem = ShardingProblem(program, mesh_plan, cluster, config, num_micro_batches)
     budget = config.memory_budget_per_device or cluster.device_memory
-    solution = ilp.solve(budget)
-    choice = solution.choices[memory.cls]
-    stage, predicted = _emit(program, problem, mesh_plan, memory, choice)
-    elapsed = time.perf_counter() - start
-    logger.info(
-        "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s (%d rounds)",
-        len(program.graph),
-        len(problem.grouping.groups),
-        problem.num_classes,
-        len(edges),
-        solution.seconds,
-        solution.rounds,
-    )
-    note = (
-        f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
-        f"{'optimal' if solution.optimal else 'time limit hit, best found'}, planned in "
-        f"{elapsed:.2f} s"
-    )
-    sig = program.signature
-    return Plan(
-        method="shard_parallel",
-        num_micro_batches=num_micro_batches,
-        stages=(stage,),
-        predicted=predicted,
-        cluster=cluster.to_dict(),
-        input_paths=sig.input_paths,
-        output_paths=sig.output_paths,
-        donated_inputs=sig.donated_inputs,
-        fingerprint=program.fingerprint,
-        notes=(note,),
-    )
+    plan = problem.solve(budget)
+    if plan is None:
+        raise problem.over_budget(budget)
+    return plan
 
 
 def _emit(

@@ -109,7 +109,9 @@ def _live_bytes_at_cuts(jaxpr: Jaxpr, floating: list[bool]) -> np.ndarray:
 
 def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBALANCE) -> list[int]:
     """Layer index of each eqn: `layer_num` runs, each of at most (1+imbalance)·FLOPs/layer_num,
-    cut right before heavy ops, minimising the most bytes live at any cut, then their sum."""
+    cut right before heavy ops, minimising the most bytes live at any cut, then their sum, then
+    the spread of FLOPs over layers (repeated blocks, whose cuts all cost the same, are shared
+    out evenly)."""
     eqns = jaxpr.eqns
     floating = _floating(jaxpr)
     flops = np.array([0.0 if f else eqn_flops(e) for e, f in zip(eqns, floating, strict=True)])
@@ -129,6 +131,7 @@ def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBA
     live = _live_bytes_at_cuts(jaxpr, floating)
     points = [0, *cuts, len(eqns)]
     cost = np.array([0.0, *(live[c] for c in cuts), 0.0])
+    balance = 0.5  # Σ (layer FLOP share)² ≤ 1: the spread never outweighs a byte of cut cost
 
     def solve(allowed: np.ndarray) -> tuple[float, list[int]] | None:
         """Min-sum of cut costs over L runs using only allowed cut points (a DP over points)."""
@@ -141,9 +144,10 @@ def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBA
                 if not (allowed[j] or j == num - 1):
                     continue
                 for i in range(j - 1, -1, -1):
-                    if prefix[points[j]] - prefix[points[i]] > cap:
+                    run = prefix[points[j]] - prefix[points[i]]
+                    if run > cap:
                         break
-                    value = best[k - 1, i] + cost[j]
+                    value = best[k - 1, i] + cost[j] + balance * (run / prefix[-1]) ** 2
                     if value < best[k, j]:
                         best[k, j], back[k, j] = value, i
         if not np.isfinite(best[layer_num, num - 1]):

@@ -8,7 +8,9 @@ XLA fuses chains of element-wise ops, so their intermediates never exist as buff
 output is *materialized* unless it is an element-wise/layout op whose single reader fuses it
 (another element-wise/layout op or a reduction), or an op that only relabels its operand's buffer
 (`_ALIASES`), which extends that buffer's life instead. Element-wise ops of scalars (a broadcast
-constant, an iota) are never materialized: XLA fuses them into every reader.
+constant, an iota) are never materialized: XLA fuses them into every reader. Nor is a broadcast
+whose readers all fuse their operands (a causal mask broadcast to every head): XLA duplicates
+broadcasts into each fusion rather than keep the large result.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ def liveness(grouping: Grouping, signature: StepSignature) -> Liveness:
             users = readers.get(value, [])
             if not users:
                 continue
+            fusing = all(graph.node(u).primitive in _FUSES_OPERANDS for u in users)
             fused = n.primitive in _FUSED and (
                 all(not a.shape for a in n.in_avals)  # a constant: XLA recomputes it at each use
-                or (len(users) == 1 and graph.node(users[0]).primitive in _FUSES_OPERANDS)
+                or (fusing and (len(users) == 1 or n.primitive == "broadcast_in_dim"))
             )
             if not fused:
                 temporaries.append((value, step_of[n.id], max(step_of[u] for u in users)))

@@ -2,14 +2,18 @@
 
 1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
 2. Every layer is planned alone by the ILP on every candidate logical mesh (cost-model mode):
-   its predicted time per micro-batch, its state and its stashed activations. Layers with the
-   same structure (repeated transformer blocks) are planned once per mesh. A candidate stage
-   costs the sum of its layers' times, state and stashed activations plus the largest of their
-   temporaries; ignoring resharding between layers of one stage and the transfers between
-   stages, as Alpa's DP does.
-3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges and sub-meshes.
-4. Each chosen stage is planned as a whole by the ILP on its logical mesh; the plan's predicted
-   step time is Σ t + (B−1)·max t over those stage plans.
+   its predicted time per micro-batch, its state and its stashed activations, for its fastest
+   plan and for plans squeezed into less memory (alternatives). Layers with the same structure
+   (repeated transformer blocks) are planned once per mesh, and meshes that differ only in the
+   order of equal axes once. A candidate stage costs the sum of its layers' times, state and
+   stashed activations plus the largest of their temporaries, one alternative per squeeze
+   level; ignoring resharding between layers of one stage and the transfers between stages, as
+   Alpa's DP does.
+3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
+   per stage, the fastest alternative that fits with its micro-batches in flight.
+4. Each chosen stage is planned as a whole by the ILP on its logical mesh, within the memory its
+   in-flight activations leave; the plan's predicted step time is Σ t + (B−1)·max t over those
+   stage plans.
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ from collections.abc import Callable
 from jax.extend.core import Var
 
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
-from autopar.planner.errors import PlanningError
-from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
+from autopar.planner.cost import LogicalMesh, logical_mesh, spec_bytes_per_device
+from autopar.planner.intra import IntraOpConfig, ShardingProblem, plan_shard_parallel
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
@@ -33,8 +36,9 @@ from autopar.planner.pipeline import (
     stage_program,
 )
 from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
-from autopar.planner.program import Program
+from autopar.planner.program import Program, StepSignature
 from autopar.planner.stages import (
+    CostFn,
     StageCost,
     StageSolution,
     manual_stages,
@@ -46,8 +50,9 @@ from autopar.planner.stages import (
 logger = logging.getLogger(__name__)
 
 STAGE_AXES = ("x", "y")
-# The share of its stage's memory a layer is planned for; the rest holds activations in flight.
-LAYER_MEMORY_FRACTION = 0.8
+# A layer's next alternative plan must fit in this fraction of the previous one's peak memory.
+SQUEEZE = 0.6
+MAX_ALTERNATIVES = 3
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -93,6 +98,14 @@ def state_bytes(stage: StageProgram, plan: StagePlan) -> float:
     return total
 
 
+def range_program(parts: StepParts, signature: StepSignature, start: int, end: int) -> StageProgram:
+    """Layers [start, end) as a stage of their own (the layers around them on other stages)."""
+    n = parts.num_layers
+    ranges = [r for r in ((0, start), (start, end), (end, n)) if r[0] < r[1]]
+    placement = place_stages(parts, ranges)
+    return stage_program(parts, placement, ranges.index((start, end)), signature)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
     """One layer planned alone: time per micro-batch and per-device memory by how it adds up
@@ -121,7 +134,7 @@ class PipelineConfig:
 
 
 class LayerCosts:
-    """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh."""
+    """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh kind."""
 
     def __init__(
         self,
@@ -135,77 +148,72 @@ class LayerCosts:
         self.num_devices = num_devices
         self.device_memory = config.intra.memory_budget_per_device or cluster.device_memory
         self._programs: dict[int, StageProgram] = {}
-        self._costs: dict[tuple, StageCost | None] = {}
+        self._costs: dict[tuple, tuple[LayerCost, ...]] = {}
         self.ilp_solves = 0
 
     def layer_program(self, layer: int) -> StageProgram:
         if layer not in self._programs:
-            n = self.parts.num_layers
-            ranges = [r for r in ((0, layer), (layer, layer + 1), (layer + 1, n)) if r[0] < r[1]]
-            stage = ranges.index((layer, layer + 1))
-            placement = place_stages(self.parts, ranges)
-            self._programs[layer] = stage_program(
-                self.parts, placement, stage, self.program.signature
+            self._programs[layer] = range_program(
+                self.parts, self.program.signature, layer, layer + 1
             )
         return self._programs[layer]
 
-    def budgets(self, mesh_devices: int) -> list[float]:
-        """Per-device memory budgets to plan one layer on a mesh of `mesh_devices`, tightest
-        first (the first that fits is used).
-
-        A balanced pipeline puts about L·d/N of the L layers on a stage of d of the N devices,
-        so a layer first gets that share of the memory (with room for activations in flight)
-        rather than all of it: the ILP would otherwise buy speed with memory that the other
-        layers of the stage need. Where the share cannot hold the layer, it is doubled."""
-        share = self.num_devices / (self.parts.num_layers * mesh_devices)
-        budget = self.device_memory * min(1.0, LAYER_MEMORY_FRACTION * share)
-        found = [budget]
-        while found[-1] < self.device_memory:
-            found.append(min(self.device_memory, 2 * found[-1]))
-        return found
-
-    def layer_cost(self, layer: int, logical: tuple) -> LayerCost | None:
-        """Layer `layer` alone on a logical mesh (its costs depend on the mesh's shape only)."""
+    def layer_costs(self, layer: int, logical: tuple) -> tuple[LayerCost, ...]:
+        """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
+        plans squeezed into at most SQUEEZE of the previous one's peak, until the ILP finds none
+        (empty: the layer never fits). They depend on the mesh's axes, not on which devices."""
         stage = self.layer_program(layer)
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
-        key = (stage.program.fingerprint, mesh.shape)
+        axes = logical_mesh(self.cluster, mesh.shape, mesh.axis_names)
+        # Axes of equal size and links can be swapped without changing any cost.
+        kind = tuple(sorted(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True)))
+        key = (stage.program.fingerprint, kind)
         if key not in self._costs:
-            self._costs[key] = self._plan_cost(stage, mesh)
+            self._costs[key] = self._plan_costs(stage, mesh)
         return self._costs[key]
 
-    def _plan_cost(self, stage: StageProgram, mesh: MeshPlan) -> LayerCost | None:
+    def _plan_costs(self, stage: StageProgram, mesh: MeshPlan) -> tuple[LayerCost, ...]:
         k = self.config.num_micro_batches
-        plan = None
-        for budget in self.budgets(mesh.num_devices):
+        problem = ShardingProblem(stage.program, mesh, self.cluster, self.config.intra, k)
+        found: list[LayerCost] = []
+        budget = self.device_memory
+        while len(found) < MAX_ALTERNATIVES:
             self.ilp_solves += 1
-            intra = dataclasses.replace(self.config.intra, memory_budget_per_device=budget)
-            try:
-                plan = plan_shard_parallel(stage.program, mesh, self.cluster, intra, k)
+            plan = problem.solve(budget)
+            if plan is None:
+                logger.debug("layer %s on %s: nothing fits %.3g bytes", stage.layers, mesh, budget)
                 break
-            except PlanningError as e:
-                logger.debug(
-                    "layer %s on %s in %.3g bytes: %s", stage.layers, mesh.shape, budget, e
+            stash = stash_bytes(stage, plan.stages[0])
+            state = state_bytes(stage, plan.stages[0])
+            peak = plan.predicted.memory_per_device_bytes
+            found.append(
+                LayerCost(
+                    plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash)
                 )
-        if plan is None:
-            return None
-        stash = stash_bytes(stage, plan.stages[0])
-        state = state_bytes(stage, plan.stages[0])
-        peak = plan.predicted.memory_per_device_bytes
-        return LayerCost(
-            plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash)
-        )
+            )
+            budget = SQUEEZE * peak
+        return tuple(found)
 
-    def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
-        """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring)."""
-        costs = [self.layer_cost(layer, logical) for layer in range(start, end)]
-        if any(c is None for c in costs):
-            return None
-        return StageCost(
-            latency_s=sum(c.latency_s for c in costs),
-            static_memory_bytes=sum(c.state_bytes for c in costs)
-            + max(c.temporary_bytes for c in costs),
-            activation_memory_bytes=sum(c.stash_bytes for c in costs),
-        )
+    def __call__(
+        self, start: int, end: int, submesh: tuple, logical: tuple
+    ) -> tuple[StageCost, ...]:
+        """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
+        one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
+        layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
+        if not all(layers):
+            return ()
+        alternatives = []
+        for level in range(max(map(len, layers))):
+            costs = [found[min(level, len(found) - 1)] for found in layers]
+            alternatives.append(
+                StageCost(
+                    latency_s=sum(c.latency_s for c in costs),
+                    static_memory_bytes=sum(c.state_bytes for c in costs)
+                    + max(c.temporary_bytes for c in costs),
+                    activation_memory_bytes=sum(c.stash_bytes for c in costs),
+                )
+            )
+        return tuple(alternatives)
 
 
 def _solve(
@@ -239,11 +247,13 @@ def plan_pipeshard(
     cluster: ClusterSpec,
     cluster_shape: tuple[int, int],
     config: PipelineConfig,
-    costs: LayerCosts | None = None,
+    costs: CostFn | None = None,
 ) -> Plan:
     """The pipeshard plan of a layered step on a (hosts, devices per host) cluster.
 
-    `costs` may pass in a `LayerCosts` whose cached layer plans are reused (and kept)."""
+    `costs` is the stage DP's cost_fn: by default a new `LayerCosts` (cost-model mode); pass one
+    to reuse (and keep) its cached layer plans, or a `runtime.profile.StageProfiler` to measure
+    candidates on devices. Either counts its ILP solves in `ilp_solves`."""
     start_time = time.perf_counter()
     costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     memory = config.intra.memory_budget_per_device or cluster.device_memory
@@ -258,12 +268,15 @@ def plan_pipeshard(
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
-        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names)
+        flight = in_flight(config.schedule, len(ranges), s, k)
+        # The DP's stash estimate: what the other micro-batches in flight keep on the stage.
+        others = (flight - 1) * assignment.cost.activation_memory_bytes
+        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, others)
         if key not in repeated:
-            repeated[key] = plan_shard_parallel(stage.program, mesh, cluster, config.intra, k)
+            intra = dataclasses.replace(config.intra, memory_budget_per_device=memory - others)
+            repeated[key] = plan_shard_parallel(stage.program, mesh, cluster, intra, k)
         planned = repeated[key]
         p = planned.predicted
-        flight = in_flight(config.schedule, len(ranges), s, k)
         peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])
         stage_plans.append(
             dataclasses.replace(
@@ -290,7 +303,7 @@ def plan_pipeshard(
     )
     note = (
         f"{len(ranges)} stage(s): {shapes}; {config.schedule}; stage search over "
-        f"{parts.num_layers} layers with {costs.ilp_solves} layer ILP solves in "
+        f"{parts.num_layers} layers with {costs.ilp_solves} candidate ILP solves in "
         f"{dp_seconds:.2f} s, planned in {elapsed:.2f} s"
     )
     logger.info("pipeshard plan: %s", note)

@@ -43,9 +43,21 @@ class StageCost:
     activation_memory_bytes: float  # activations stashed per micro-batch in flight
 
 
-CostFn = Callable[[int, int, tuple[int, int], tuple[int, int]], StageCost | None]
+CostFn = Callable[
+    [int, int, tuple[int, int], tuple[int, int]], StageCost | Sequence[StageCost] | None
+]
 """cost_fn(start, end, submesh_physical_shape, logical_mesh_shape) for layers [start, end); None
-when that candidate cannot run (e.g. shapes that do not divide)."""
+when that candidate cannot run (e.g. shapes that do not divide). It may return alternatives that
+trade latency for memory (a faster sharding that stores more): a stage takes the fastest that
+fits with the micro-batches in flight where it sits in the pipeline."""
+
+
+def _alternatives(cost: StageCost | Sequence[StageCost] | None) -> tuple[StageCost, ...]:
+    """cost_fn's answer as a tuple of usable alternatives (empty: the candidate cannot run)."""
+    if cost is None:
+        return ()
+    found = (cost,) if isinstance(cost, StageCost) else tuple(cost)
+    return tuple(c for c in found if math.isfinite(c.latency_s))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,20 +209,22 @@ def _fixed_solution(
     """Cost a plan the user fixed; PlanningError if a stage cannot run or does not fit."""
     stages = []
     for i, (layers, submesh, logical) in enumerate(zip(ranges, submeshes, logicals, strict=True)):
-        cost = cost_fn(layers[0], layers[1], submesh, logical)
-        if cost is None:
+        alternatives = _alternatives(cost_fn(layers[0], layers[1], submesh, logical))
+        if not alternatives:
             raise PlanningError(
                 f"stage {i} (layers [{layers[0]},{layers[1]}) on sub-mesh {submesh} as logical "
                 f"mesh {logical}) cannot run: cost_fn rejected it"
             )
         after = len(ranges) - 1 - i
-        need = _memory_need(cost, after)
-        if need > device_memory:
+        fitting = [c for c in alternatives if _memory_need(c, after) <= device_memory]
+        if not fitting:
+            need = min(_memory_need(c, after) for c in alternatives)
             raise PlanningError(
                 f"stage {i} (layers [{layers[0]},{layers[1]}) on {submesh}) needs {need:.4g} "
                 f"bytes per device with {after + 1} micro-batches in flight, but devices have "
                 f"{device_memory:.4g}"
             )
+        cost = min(fitting, key=lambda c: c.latency_s)
         stages.append(StageAssignment(tuple(layers), tuple(submesh), tuple(logical), cost))
     step = _step_latency([a.cost.latency_s for a in stages], num_micro_batches)
     solution = StageSolution(tuple(stages), step)
@@ -309,19 +323,20 @@ def manual_stages(
 
 @dataclasses.dataclass(frozen=True)
 class _Candidates:
-    """Every (layer range, sub-mesh, logical mesh) stage, as arrays indexed
-    [start, length - 1, submesh, logical].
+    """Every (layer range, sub-mesh, variant) stage, as arrays indexed
+    [start, length - 1, submesh, variant]; a variant is a logical mesh with one of cost_fn's
+    alternatives for it, and `costs` maps an index to that (logical mesh, cost).
 
-    latency is inf where cost_fn said None (or the range runs past the last layer); max_after is
-    the most stages that may follow the stage within device memory (-1: it never fits).
+    latency is inf where there is no such variant (cost_fn said None, or the range runs past the
+    last layer); max_after is the most stages that may follow the stage within device memory
+    (-1: it never fits).
     """
 
     cluster: tuple[int, int]
     submeshes: tuple[tuple[int, int], ...]
-    logicals: tuple[tuple[tuple[int, int], ...], ...]
     latency: np.ndarray
     max_after: np.ndarray
-    costs: dict[tuple[int, int, int, int], StageCost]
+    costs: dict[tuple[int, int, int, int], tuple[tuple[int, int], StageCost]]
 
     @property
     def num_devices(self) -> int:
@@ -342,36 +357,37 @@ def _collect(
     max_stages: int,
 ) -> _Candidates:
     """Ask cost_fn once for every candidate stage; tabulate latency and memory headroom."""
-    logicals = tuple(tuple(logical_mesh_shapes(m, logical_space)) for m in submeshes)
-    shape = (num_layers, num_layers, len(submeshes), max(map(len, logicals)))
-    latency = np.full(shape, np.inf)
-    static = np.full(shape, np.inf)
-    activation = np.zeros(shape)
     costs = {}
     for start in range(num_layers):
         for end in range(start + 1, num_layers + 1):
             for m, submesh in enumerate(submeshes):
-                for g, logical in enumerate(logicals[m]):
-                    cost = cost_fn(start, end, submesh, logical)
-                    if cost is None or not math.isfinite(cost.latency_s):
-                        continue
-                    key = (start, end - start - 1, m, g)
-                    costs[key] = cost
-                    latency[key] = cost.latency_s
-                    static[key] = cost.static_memory_bytes
-                    activation[key] = cost.activation_memory_bytes
+                variants = [
+                    (logical, cost)
+                    for logical in logical_mesh_shapes(submesh, logical_space)
+                    for cost in _alternatives(cost_fn(start, end, submesh, logical))
+                ]
+                costs.update(((start, end - start - 1, m, g), v) for g, v in enumerate(variants))
+    num_variants = 1 + max((key[3] for key in costs), default=0)
+    shape = (num_layers, num_layers, len(submeshes), num_variants)
+    latency = np.full(shape, np.inf)
+    static = np.full(shape, np.inf)
+    activation = np.zeros(shape)
+    for key, (_, cost) in costs.items():
+        latency[key] = cost.latency_s
+        static[key] = cost.static_memory_bytes
+        activation[key] = cost.activation_memory_bytes
     # Fitting is monotone in the stages after, so count how many counts fit (with the
     # expression of _memory_need, so the DP and the fixed plans' checks agree to the bit).
     max_after = np.full(shape, -1)
     for after in range(max_stages):
         max_after += static + (after + 1) * activation <= device_memory
-    return _Candidates(cluster, tuple(submeshes), logicals, latency, max_after, costs)
+    return _Candidates(cluster, tuple(submeshes), latency, max_after, costs)
 
 
 def _best_logical(cands: _Candidates, num_after: int, low: float, high: float) -> np.ndarray:
-    """[after, start, length - 1, submesh]: the least latency over logical meshes that fit with
-    `after` stages behind and lie in [low, high] — Alpa's trick of choosing the logical mesh
-    once per (range, sub-mesh) instead of inside the DP."""
+    """[after, start, length - 1, submesh]: the least latency over variants (logical meshes and
+    their alternatives) that fit with `after` stages behind and lie in [low, high] — Alpa's
+    trick of choosing the logical mesh once per (range, sub-mesh) instead of inside the DP."""
     inside = (cands.latency >= low) & (cands.latency <= high)
     usable = np.where(inside, cands.latency, np.inf)
     return np.stack(
@@ -556,7 +572,7 @@ def _search(
 
 
 def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]:
-    """Give each stage of a DP plan the logical mesh the DP costed it with."""
+    """Give each stage of a DP plan the logical mesh and cost the DP chose for it."""
     low, high = plan.window
     stages = []
     for k, (start, end, m) in enumerate(plan.stages):
@@ -568,8 +584,8 @@ def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]
             & (cands.max_after[start, end - start - 1, m] >= after)
         )
         g = int(np.where(ok, latency, np.inf).argmin())
-        cost = cands.costs[(start, end - start - 1, m, g)]
-        stages.append(StageAssignment((start, end), cands.submeshes[m], cands.logicals[m][g], cost))
+        logical, cost = cands.costs[(start, end - start - 1, m, g)]
+        stages.append(StageAssignment((start, end), cands.submeshes[m], logical, cost))
     return tuple(stages)
 
 
@@ -580,7 +596,7 @@ def _no_plan_error(
     where = f"{num_layers} layers on {hosts}x{per_host} devices (max_stages={max_stages})"
     if not cands.costs:
         return PlanningError(f"no stage plan for {where}: cost_fn rejected every candidate stage")
-    least = min(c.static_memory_bytes + c.activation_memory_bytes for c in cands.costs.values())
+    least = min(c.static_memory_bytes + c.activation_memory_bytes for _, c in cands.costs.values())
     return PlanningError(
         f"no stage plan for {where} fits in {device_memory:.4g} bytes per device; the least any "
         f"single candidate stage needs (state plus one micro-batch of activations) is "

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, JaxprEqn, Literal
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._jax_compat import bind_checkpoint
@@ -127,6 +127,15 @@ def evaluate_eqn(path: str, eqn: JaxprEqn, invals: Sequence[Any], rules: Shardin
 
 def read(env: Mapping[Any, Any], var: Any) -> Any:
     return var.val if isinstance(var, Literal) else env[var]
+
+
+def free_vars(eqns: Iterable[tuple[str, JaxprEqn]]) -> list[Var]:
+    """Variables the (path, eqn) pairs read that they do not define, in first-read order."""
+    eqns = list(eqns)
+    inner = {v for _, e in eqns for v in e.outvars}
+    return list(
+        dict.fromkeys(v for _, e in eqns for v in e.invars if isinstance(v, Var) and v not in inner)
+    )
 
 
 def evaluate_eqns(

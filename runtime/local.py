@@ -40,6 +40,7 @@ from autopar.runtime.interpreter import (
     build_mesh,
     constrain,
     evaluate_eqns,
+    free_vars,
     partition_spec,
     read,
 )
@@ -69,14 +70,6 @@ class _Segment:
         if self.compiled is None:  # shapes and shardings never change between calls
             self.compiled = self._jit.lower(*args).compile()
         return self.compiled(*args)
-
-
-def _reads_of(eqns) -> list[Var]:
-    """Variables the eqns read that they do not define themselves, in first-read order."""
-    inner = {v for _, e in eqns for v in e.outvars}
-    return list(
-        dict.fromkeys(v for _, e in eqns for v in e.invars if isinstance(v, Var) and v not in inner)
-    )
 
 
 @dataclasses.dataclass
@@ -176,7 +169,7 @@ class PipelineExecutable:
                 pieces.append((stage, "apply", level, eqns))
         reads = []
         for stage, kind, _, eqns in pieces:
-            r = _reads_of(eqns)
+            r = free_vars(eqns)
             if kind == "backward":
                 inner = {x for _, e in eqns for x in e.outvars}
                 r += [g for g in stage.program.grads if isinstance(g, Var) and g not in r]

@@ -142,6 +142,22 @@ def test_clustering_balances_flops():
     assert forward_dots == [0, 0, 1, 1, 1]
 
 
+def test_clustering_shares_repeated_blocks_evenly():
+    """Eight equal layers whose cuts all carry the same bytes: 4 clustered layers take 2 each
+    (the FLOP cap alone would allow 3, 3, 1, 1)."""
+    widths = (16,) * 9
+    params, batch = _params(widths), _batch(16, 16)
+    loss = functools.partial(_loss, marks=False)
+    jaxpr = _layered_jaxpr(_step(loss), AutoLayerOption(4), params, batch)
+    forward_dots, layer = [], 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == LAYER_BOUNDARY and e.params["kind"] == "forward":
+            layer = e.params["layer"]
+        elif e.primitive.name == "dot_general":
+            forward_dots.append(layer)
+    assert forward_dots[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
 def test_markers_are_inert_outside_autopar():
     params, batch = _params(), _batch()
     marked = jax.jit(jax.value_and_grad(_loss))(params, batch)

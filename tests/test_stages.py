@@ -75,9 +75,14 @@ def test_logical_mesh_shapes_of_one_device_and_unknown_space():
 # --- the DP against brute force ----------------------------------------------------------------
 
 
-def _random_table(rng, num_layers, cluster, physical_space, logical_space):
+def _as_tuple(entry):
+    return () if entry is None else (entry,) if isinstance(entry, StageCost) else entry
+
+
+def _random_table(rng, num_layers, cluster, physical_space, logical_space, alternatives=False):
     """Costs for every candidate: compute shrinks with devices while communication grows, ~10%
-    cannot run, memory per device shrinks with devices."""
+    cannot run, memory per device shrinks with devices. With `alternatives`, a candidate may
+    also offer faster variants that need more memory."""
     work = rng.uniform(0.5, 2.0, num_layers)
     comm = rng.uniform(0.05, 0.5)
     state = rng.uniform(0.5, 2.0, num_layers)
@@ -92,12 +97,26 @@ def _random_table(rng, num_layers, cluster, physical_space, logical_space):
                     continue
                 compute = work[start:end].sum() / devices
                 talk = comm * (end - start) * (1 - 1 / devices)
-                table[start, end, submesh, logical] = StageCost(
+                cost = StageCost(
                     latency_s=(compute + talk) * rng.uniform(0.8, 1.25),
                     static_memory_bytes=state[start:end].sum() / devices**0.5,
                     activation_memory_bytes=stash[start:end].sum() / devices**0.7,
                 )
-    needs = [c.static_memory_bytes + 2 * c.activation_memory_bytes for c in table.values() if c]
+                table[start, end, submesh, logical] = cost
+                if alternatives:
+                    table[start, end, submesh, logical] = (cost,) + tuple(
+                        StageCost(
+                            cost.latency_s * rng.uniform(0.4, 0.9),
+                            cost.static_memory_bytes * rng.uniform(1.1, 2.0),
+                            cost.activation_memory_bytes * rng.uniform(1.0, 1.5),
+                        )
+                        for _ in range(int(rng.integers(0, 3)))
+                    )
+    needs = [
+        c.static_memory_bytes + 2 * c.activation_memory_bytes
+        for entry in table.values()
+        for c in _as_tuple(entry)
+    ]
     return table, float(np.quantile(needs, 0.7))
 
 
@@ -113,8 +132,9 @@ def _brute_force(num_layers, cluster, num_micro_batches, table, memory, space, t
         choices = [
             [
                 (submesh, cost)
-                for (a, b, submesh, _), cost in table.items()
-                if (a, b) == (start, end) and cost and _fits(cost, len(ranges) - 1 - k, memory)
+                for (a, b, submesh, _), entry in table.items()
+                for cost in _as_tuple(entry)
+                if (a, b) == (start, end) and _fits(cost, len(ranges) - 1 - k, memory)
             ]
             for k, (start, end) in enumerate(ranges)
         ]
@@ -138,7 +158,7 @@ def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory
     assert stages[-1].layers[1] == num_layers
     place_submeshes([s.submesh for s in stages], *cluster)  # covers every device, packs
     for k, stage in enumerate(stages):
-        assert stage.cost == table[(*stage.layers, stage.submesh, stage.logical_mesh)]
+        assert stage.cost in _as_tuple(table[(*stage.layers, stage.submesh, stage.logical_mesh)])
         assert _fits(stage.cost, len(stages) - 1 - k, memory)
     expected = _step([s.cost.latency_s for s in stages], num_micro_batches)
     assert solution.step_latency_s == pytest.approx(expected)
@@ -147,12 +167,12 @@ def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory
 CLUSTERS = [(1, 2), (1, 4), (1, 8), (2, 4), (2, 2)]
 
 
-def _instance(seed, spaces=("power_of_two", "all"), clusters=CLUSTERS):
+def _instance(seed, spaces=("power_of_two", "all"), clusters=CLUSTERS, alternatives=False):
     rng = np.random.default_rng(seed)
     num_layers = int(rng.integers(1, 7))
     cluster = clusters[int(rng.integers(len(clusters)))]
     num_micro_batches = int(rng.choice([1, 4, 16]))
-    table, memory = _random_table(rng, num_layers, cluster, *spaces)
+    table, memory = _random_table(rng, num_layers, cluster, *spaces, alternatives=alternatives)
     return num_layers, cluster, num_micro_batches, table, memory
 
 
@@ -182,6 +202,21 @@ def test_dp_matches_brute_force(seed):
         num_layers, cluster, batches, table, memory, stage_imbalance_tolerance=1e9
     )
     assert huge_tolerance == solution
+
+
+@pytest.mark.parametrize("seed", range(300, 320))
+def test_dp_picks_among_alternatives_like_brute_force(seed):
+    """cost_fn offering faster variants that store more: each stage takes the fastest that
+    fits where it sits (fewer micro-batches in flight further down the pipeline)."""
+    num_layers, cluster, batches, table, memory = _instance(seed, alternatives=True)
+    expected = _brute_force(num_layers, cluster, batches, table, memory, "power_of_two", math.inf)
+    if expected == math.inf:
+        with pytest.raises(PlanningError):
+            _solve(num_layers, cluster, batches, table, memory)
+        return
+    solution = _solve(num_layers, cluster, batches, table, memory)
+    _check_valid(solution, num_layers, cluster, batches, table, memory)
+    assert solution.step_latency_s == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("seed", range(100, 120))
