@@ -7,11 +7,16 @@ def train_step(state, batch):
 """
 
 from autopar.api import ParallelizedFunc, parallelize, plan
+from autopar.checkpoint import restore_checkpoint, save_checkpoint
 from autopar.context import init, shutdown, simulate_cpu_devices
+from autopar.data import prefetch_batches
 from autopar.markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import (
+    CreateStateParallel,
     DataParallel,
+    FollowParallel,
     PipeshardParallel,
+    PlanFile,
     ShardParallel,
     Zero2Parallel,
     Zero3Parallel,
@@ -43,8 +48,10 @@ __all__ = [
     "AutoStageOption",
     "AutoparError",
     "ClusterSpec",
+    "CreateStateParallel",
     "DataParallel",
     "Executable",
+    "FollowParallel",
     "InvalidArgumentError",
     "ManualLayerOption",
     "ManualStageOption",
@@ -53,6 +60,7 @@ __all__ = [
     "PipelineExecutable",
     "PipeshardParallel",
     "Plan",
+    "PlanFile",
     "PlanningError",
     "ShardParallel",
     "TracingError",
@@ -64,6 +72,9 @@ __all__ = [
     "mark_pipeline_boundary",
     "parallelize",
     "plan",
+    "prefetch_batches",
+    "restore_checkpoint",
+    "save_checkpoint",
     "shutdown",
     "simulate_cpu_devices",
     "value_and_grad",

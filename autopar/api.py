@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -10,14 +11,26 @@ from typing import Any
 import jax
 
 from autopar.context import current_runtime
-from autopar.methods import DataParallel, Method, PipeshardParallel, ShardParallel, method_mesh
+from autopar.create_state import StateCreator
+from autopar.methods import (
+    CreateStateParallel,
+    DataParallel,
+    FollowParallel,
+    Method,
+    PipeshardParallel,
+    PlanFile,
+    ShardParallel,
+    method_mesh,
+)
+from autopar.options import AutoShardingOption
+from autopar.plan_store import PlanCache, check_plan_fits, tracing_record
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.pipeline import split_step
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
-from autopar.planner.plan import MeshPlan, Plan
+from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
 from autopar.runtime.profile import StageProfiler
@@ -37,12 +50,47 @@ Argnums = Sequence[int] | str
 def _check_method(method: Any) -> Method:
     if method is None:
         return ShardParallel()
-    if not isinstance(method, DataParallel | ShardParallel | PipeshardParallel):
+    kinds = DataParallel | ShardParallel | PipeshardParallel | PlanFile | FollowParallel
+    if not isinstance(method, kinds):
         raise InvalidArgumentError(
-            "method must be ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel or "
-            f"PipeshardParallel, got {method!r}"
+            "method must be ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, "
+            f"PipeshardParallel, PlanFile or FollowParallel, got {method!r}"
+        )
+    if isinstance(method, FollowParallel) and not isinstance(method.src, ParallelizedFunc):
+        raise InvalidArgumentError(
+            f"FollowParallel follows a step made by autopar.parallelize, got {method.src!r}"
         )
     return method
+
+
+def _followed_inputs(traced: TracedStep, src: ParallelizedFunc) -> tuple[tuple[str, Spec], ...]:
+    """(input path, storage spec) of the inputs that FollowParallel keeps where `src` has them."""
+    if not src._plans:
+        raise InvalidArgumentError(
+            "FollowParallel: the followed step has no plan yet; call it (or its get_plan) first"
+        )
+    src_traced, src_plan = next(reversed(src._plans.values()))  # the latest
+    if src_plan.pipeline_schedule is not None or len(src_plan.stages) != 1:
+        raise InvalidArgumentError(
+            "FollowParallel follows single-mesh plans; the followed step is pipelined "
+            f"({len(src_plan.stages)} stages)"
+        )
+    src_sig = src_traced.program.signature
+    stored = {
+        path: (spec, (aval.shape, aval.dtype))
+        for path, spec, aval in zip(
+            src_sig.input_paths, src_plan.stages[0].input_specs, src_sig.input_avals, strict=True
+        )
+    }
+    pinned = []
+    sig = traced.program.signature
+    for path, aval in zip(sig.input_paths, sig.input_avals, strict=True):
+        for src_path, (spec, shape) in stored.items():
+            same = src_path == path or src_path.endswith("." + path)
+            if same and shape == (aval.shape, aval.dtype):
+                pinned.append((path, spec))
+                break
+    return tuple(pinned)
 
 
 def _plan(
@@ -55,6 +103,12 @@ def _plan(
     """Hand a method (configuration) to its planner as explicit arguments. `devices` are those
     the plan will run on (none when planning abstractly)."""
     k = method.num_micro_batches or 1
+    if isinstance(method, FollowParallel):
+        option = getattr(method.src.method, "auto_sharding_option", AutoShardingOption())
+        config = dataclasses.replace(
+            option.to_config(), pinned_inputs=_followed_inputs(traced, method.src)
+        )
+        return plan_shard_parallel(traced.program, mesh, cluster, config, k)
     if isinstance(method, PipeshardParallel):
         config = PipelineConfig(
             num_micro_batches=k,
@@ -85,6 +139,34 @@ def _plan(
     )
 
 
+def _planned(
+    traced: TracedStep,
+    method: Method,
+    mesh: MeshPlan,
+    cluster: ClusterSpec,
+    devices: Sequence[jax.Device] = (),
+) -> Plan:
+    """The plan of `traced`: a plan file's, a cached one, or a new one (then cached)."""
+    fingerprint = traced.program.fingerprint
+    if isinstance(method, PlanFile):
+        source = f"plan file {str(method.path)!r}"
+        paths = traced.program.signature.input_paths
+        num_devices = len(devices) or cluster.num_devices
+        check_plan_fits(method.plan, fingerprint, paths, num_devices, source)
+        return method.plan
+    cache = None if isinstance(method, FollowParallel) else PlanCache.from_env()
+    key = cache and PlanCache.key(fingerprint, cluster, method, mesh)
+    found = cache and cache.load(key)
+    if found:
+        return found
+    plan = _plan(traced, method, mesh, cluster, devices)
+    layer_option = method.layer_option if isinstance(method, PipeshardParallel) else None
+    plan = dataclasses.replace(plan, tracing=tracing_record(method.regather_params, layer_option))
+    if cache:
+        cache.store(key, plan)
+    return plan
+
+
 def trace_for_method(
     fun: Callable, args: Sequence[Any], method: Method, argnums: tuple[tuple[int, ...], ...]
 ) -> TracedStep:
@@ -101,7 +183,9 @@ def trace_for_method(
         donate_argnums=donate,
         regather_params=method.regather_params,
         num_micro_batches=method.num_micro_batches or 1,
-        layer_option=method.layer_option if isinstance(method, PipeshardParallel) else None,
+        layer_option=(
+            method.layer_option if isinstance(method, PipeshardParallel | PlanFile) else None
+        ),
     )
 
 
@@ -128,14 +212,34 @@ class ParallelizedFunc:
             raise InvalidArgumentError(f"parallelize expects a function, got {fun!r}")
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.method = _check_method(method)
+        if isinstance(method, CreateStateParallel):
+            if not isinstance(method.train_step, ParallelizedFunc):
+                raise InvalidArgumentError(
+                    "CreateStateParallel places the state of a step made by autopar.parallelize, "
+                    f"got {method.train_step!r}"
+                )
+            self.method, self._creator = method, StateCreator(fun, method)
+        else:
+            self.method, self._creator = _check_method(method), None
         self._static_argnums = static_argnums
-        self._donate_argnums = donate_argnums
+        # An eval step returns no new state: by default it must not consume the train state.
+        follows = isinstance(method, FollowParallel) and donate_argnums == "auto"
+        self._donate_argnums = () if follows else donate_argnums
         self._batch_argnums = tuple(batch_argnums)
         self._executables: dict[Any, Executable] = {}
         self._plans: dict[Any, tuple[TracedStep, Plan]] = {}
 
+    @property
+    def batch_argnums(self) -> tuple[int, ...]:
+        """The arguments whose leaves have the batch as dim 0."""
+        return self._batch_argnums
+
     def _argnums(self, args: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+        if self._creator is not None:
+            raise InvalidArgumentError(
+                "a CreateStateParallel function is only called; its placement is the train "
+                "step's plan (train_step.get_plan)"
+            )
         return resolve_argnums(
             args, self._static_argnums, self._batch_argnums, self._donate_argnums
         )
@@ -165,7 +269,7 @@ class ParallelizedFunc:
             runtime = current_runtime()
             mesh, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
             traced = trace_for_method(self.fun, args, self.method, self._argnums(args))
-            plan = _plan(traced, self.method, mesh, runtime.cluster_spec, devices)
+            plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices)
             self._plans[key] = (traced, plan)
         return self._plans[key]
 
@@ -189,8 +293,30 @@ class ParallelizedFunc:
         return executable, leaves
 
     def __call__(self, *args: Any) -> Any:
+        if self._creator is not None:
+            return self._creator(*args)
         executable, leaves = self._executable(args, *self._key(args, self._argnums(args)[0]))
         return executable.call_flat(leaves)
+
+    def preshard_dynamic_args(self, *args: Any) -> tuple[Any, ...]:
+        """`args` with every array placed where the step's plan reads it (static arguments as
+        they are): put a batch or a restored state in place ahead of the step (Alpa's name)."""
+        executable = self.get_executable(*args)
+        static = self._argnums(args)[0]
+        dynamic = iter(executable.input_shardings)
+        placed = []
+        for i, arg in enumerate(args):
+            if i in static:
+                placed.append(arg)
+                continue
+            leaves, tree = jax.tree_util.tree_flatten(arg)
+            shardings = jax.tree_util.tree_leaves(next(dynamic), is_leaf=lambda x: x is None)
+            moved = [
+                x if s is None else jax.device_put(x, s)
+                for x, s in zip(leaves, shardings, strict=True)
+            ]
+            placed.append(jax.tree_util.tree_unflatten(tree, moved))
+        return tuple(placed)
 
 
 def parallelize(
@@ -212,10 +338,13 @@ def parallelize(
 
     Args:
       static_argnums: arguments baked into the program ("auto": non-array arguments).
-      donate_argnums: arguments whose buffers the step may reuse ("auto": all but batch/static).
+      donate_argnums: arguments whose buffers the step may reuse ("auto": all but batch/static;
+        none for FollowParallel, whose eval step leaves the train state as it is).
       batch_argnums: arguments whose leaves have the batch as dim 0 (split over devices).
       method: ShardParallel() (default: automatic sharding by ILP), DataParallel(),
-        Zero2Parallel(), Zero3Parallel() or PipeshardParallel(...) (pipeline stages).
+        Zero2Parallel(), Zero3Parallel(), PipeshardParallel(...) (pipeline stages),
+        PlanFile(path) (a saved plan), FollowParallel(train_step) (an eval step placed like
+        the train step) or CreateStateParallel(train_step, batch) (a state born sharded).
     """
     if fun is None:
         return functools.partial(
@@ -251,4 +380,4 @@ def plan(
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
     traced = trace_for_method(fun, args, method, argnums)
-    return _plan(traced, method, method_mesh(method, cluster)[0], cluster)
+    return _planned(traced, method, method_mesh(method, cluster)[0], cluster)

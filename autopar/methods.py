@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,10 +19,11 @@ from autopar.options import (
     StageOption,
     UniformStageOption,
 )
+from autopar.plan_store import layer_option_of, read_plan_file
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import ZeroStage
-from autopar.planner.plan import MeshPlan
+from autopar.planner.plan import MeshPlan, Plan
 from autopar.runtime.schedules import SCHEDULES
 
 
@@ -167,7 +169,95 @@ class PipeshardParallel:
         return isinstance(self.stage_option, AutoStageOption) and self.stage_option.profile
 
 
-Method = DataParallel | ShardParallel | PipeshardParallel
+@dataclasses.dataclass(frozen=True)
+class PlanFile:
+    """Run a plan saved as JSON (`Plan.to_json()`) without planning.
+
+    The step is traced as the plan records (micro-batches, regathering, layers) on the runtime's
+    devices; a plan made for another program, or for more devices than there are, is refused
+    with the mismatch named.
+
+    Args:
+      path: the plan file.
+    """
+
+    path: str | os.PathLike
+    plan: Plan = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", read_plan_file(self.path))
+
+    devices: ClassVar[None] = None
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.plan.num_micro_batches
+
+    @property
+    def regather_params(self) -> bool:
+        return bool(self.plan.tracing["regather_params"])
+
+    @property
+    def layer_option(self) -> LayerOption | None:
+        return layer_option_of(self.plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowParallel:
+    """Compile another function (an eval step) so that it reads its inputs where `src` (a
+    parallelized train step, already run or planned) stores them: no resharding between train
+    and eval. Inputs whose path and shape match one of `src`'s inputs (the same argument name, or
+    a sub-tree of it such as ``params`` of ``state.params``) keep `src`'s storage; the ILP plans
+    the rest on `src`'s mesh. Single-mesh plans only (not PipeshardParallel).
+
+    Args:
+      src: the `ParallelizedFunc` to follow.
+      num_micro_batches: micro-batches of the followed function itself (None: one).
+    """
+
+    src: Any
+    num_micro_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_micro_batches(self.num_micro_batches)
+
+    @property
+    def devices(self) -> Any:
+        return self.src.method.devices
+
+    @property
+    def regather_params(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateStateParallel:
+    """Compile a state-initialisation function so its outputs are born where `train_step`'s
+    plan stores them: each device computes only its shards, and no device ever holds the whole
+    state. The outputs must be the train state `train_step` takes as argument `state_argnum`.
+
+    Args:
+      train_step: the `ParallelizedFunc` whose plan places the state.
+      other_args: `train_step`'s other arguments (e.g. an example batch; arrays or
+        `jax.ShapeDtypeStruct`s), in order, without the state.
+      state_argnum: where the state goes among `train_step`'s arguments.
+    """
+
+    train_step: Any
+    other_args: tuple[Any, ...]
+    state_argnum: int = 0
+
+    def __init__(self, train_step: Any, *other_args: Any, state_argnum: int = 0) -> None:
+        object.__setattr__(self, "train_step", train_step)
+        object.__setattr__(self, "other_args", other_args)
+        object.__setattr__(self, "state_argnum", state_argnum)
+        if not isinstance(state_argnum, int) or not 0 <= state_argnum <= len(other_args):
+            raise InvalidArgumentError(
+                f"state_argnum must be an int in [0, {len(other_args)}], got {state_argnum!r}"
+            )
+
+
+Method = DataParallel | ShardParallel | PipeshardParallel | PlanFile | FollowParallel
 
 
 def resolve_devices(
@@ -204,8 +294,10 @@ def method_mesh(
     DataParallel and friends use one axis "data". ShardParallel on the whole of a multi-host
     cluster uses the physical (hosts, devices per host) mesh with axes ("x", "y"), else one
     axis "x". PipeshardParallel gets the (hosts, devices per host) grid its stages slice. A
-    `jax.sharding.Mesh` is used as it is.
+    `jax.sharding.Mesh` is used as it is. FollowParallel uses the mesh of the step it follows.
     """
+    if isinstance(method, FollowParallel):
+        return method_mesh(method.src.method, cluster, devices)
     if isinstance(method.devices, Mesh):
         return resolve_devices(method.devices, ())
     if method.devices is None and devices is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 
 
 def replicated(ndim: int) -> Spec:
@@ -137,6 +137,9 @@ class Plan:
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
     pipeline_schedule: str | None = None  # "1f1b" or "gpipe" for pipelined plans
+    # How the step was traced for this plan (regather_params, layer_option), so that a plan file
+    # can trace the same program again; filled in by `autopar.api`.
+    tracing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (never pickle); `Plan.from_json` reads it back to an equal plan."""
@@ -219,4 +222,5 @@ def _plan_from_dict(d: Mapping[str, Any]) -> Plan:
         fingerprint=d["fingerprint"],
         notes=tuple(d["notes"]),
         pipeline_schedule=d["pipeline_schedule"],
+        tracing=dict(d["tracing"]),
     )

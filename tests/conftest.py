@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests plan afresh: a user's plan cache must not answer for the code under test.
+os.environ["AUTOPAR_PLAN_CACHE"] = "off"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,104 @@
+"""CreateStateParallel: run a state-initialisation function so the state is born sharded.
+
+The train step's plan says where every leaf of its state lives (for a pipeline plan, on several
+sub-meshes). The initialisation function is compiled once per group of leaves that share a
+device set, with `out_shardings` from the plan: XLA's SPMD partitioner then has each device
+compute only its own shards (random keys are split per shard), so the whole state never exists
+on one device, and the train step reads the result without moving it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from autopar.methods import CreateStateParallel
+from autopar.planner.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct) or hasattr(x, "__jax_array__")
+
+
+class StateCreator:
+    """`fun` compiled to return the train state placed as `method.train_step` wants it."""
+
+    def __init__(self, fun: Callable, method: CreateStateParallel) -> None:
+        self.fun = fun
+        self.method = method
+        self._compiled: dict[Any, tuple[Any, list[tuple[list[int], Any]]]] = {}
+
+    def _static(self, args: Sequence[Any]) -> tuple[int, ...]:
+        """Arguments without arrays (a config, a seed as a Python int) are baked in."""
+        return tuple(i for i, a in enumerate(args) if not any(map(_is_array, jax.tree.leaves(a))))
+
+    def state_shardings(self, abstract_state: Any) -> Any:
+        """Where the train step's plan stores each leaf of the state (a pytree of shardings)."""
+        m = self.method
+        step_args = list(m.other_args)
+        step_args.insert(m.state_argnum, abstract_state)
+        executable = m.train_step.get_executable(*step_args)
+        return executable.input_shardings[m.state_argnum]
+
+    def _build(self, args: Sequence[Any], static: tuple[int, ...]):
+        def bound(*dynamic):
+            it = iter(dynamic)
+            return self.fun(*(a if i in static else next(it) for i, a in enumerate(args)))
+
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        abstract = jax.eval_shape(bound, *dynamic)
+        leaves, tree = jax.tree_util.tree_flatten(abstract)
+        try:
+            shardings = jax.tree_util.tree_leaves(
+                self.state_shardings(abstract), is_leaf=lambda x: x is None
+            )
+        except Exception as e:  # the train step's own code failed on this state
+            raise InvalidArgumentError(
+                f"CreateStateParallel: the train step cannot take what the function returns as "
+                f"its state (argument {self.method.state_argnum}): {type(e).__name__}: {e}"
+            ) from e
+        groups: dict[Any, list[int]] = {}
+        for i, s in enumerate(shardings):
+            groups.setdefault(None if s is None else frozenset(s.device_set), []).append(i)
+        parts = []
+        for indices in groups.values():
+            outs = tuple(shardings[i] for i in indices)
+
+            def select(*dyn, indices=indices):
+                flat = jax.tree_util.tree_leaves(bound(*dyn))
+                return tuple(flat[i] for i in indices)
+
+            out_shardings = None if outs[0] is None else outs
+            parts.append((indices, jax.jit(select, out_shardings=out_shardings)))
+        logger.info(
+            "creating a state of %d arrays in place on %d device group(s)", len(leaves), len(parts)
+        )
+        return tree, parts
+
+    def __call__(self, *args: Any) -> Any:
+        static = self._static(args)
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        key = (
+            static,
+            tuple(args[i] for i in static),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(dynamic)),
+        )
+        try:
+            hash(key)
+        except TypeError as e:
+            raise InvalidArgumentError(
+                f"arguments without arrays are baked into the program and must be hashable: {e}"
+            ) from e
+        if key not in self._compiled:
+            self._compiled[key] = self._build(args, static)
+        tree, parts = self._compiled[key]
+        leaves: list[Any] = [None] * tree.num_leaves
+        for indices, jitted in parts:
+            for i, x in zip(indices, jitted(*dynamic), strict=True):
+                leaves[i] = x
+        return jax.tree_util.tree_unflatten(tree, leaves)
