@@ -9,7 +9,8 @@ unpublished logical meshes chosen as well as possible for it) and compares predi
 
     python benchmarks/pipeshard_planning.py [--cases 2.6B 6.7B 39B]
 
-Writes benchmarks/results/pipeshard_planning.json and pipeshard_planning.md.
+Writes benchmarks/results/pipeshard_planning.json and pipeshard_planning.md; a run of some cases
+replaces their rows and keeps the others'.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "trace_s": traced_at - start,
         "plan_s": end - traced_at,
         "total_s": end - start,
+        "ilp_solves": costs.ilp_solves,
         "stages": _describe_plan(plan, cluster),
         "predicted_step_s": plan.predicted.step_time_s,
         "predicted_memory_gib": plan.predicted.memory_per_device_bytes / 2**30,
@@ -161,20 +163,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"16 GB each), per-layer rematerialisation {s['remat']}, solver {s['solver']} "
         f"({s['time_limit_s']:.0f} s limit per ILP), 1F1B, {s['machine']}.",
         "",
-        "| case | devices | layers | micro-batches | trace s | plan s | total s | our stages "
-        "(layers, sub-mesh as logical mesh) | our step s (DP) | Alpa's plan, costed alike | "
-        "Alpa step s | ours / Alpa |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | devices | layers | micro-batches | trace s | plan s | total s | ILP solves | "
+        "our stages (layers, sub-mesh as logical mesh) | our step s (DP) | Alpa's plan, costed "
+        "alike | Alpa step s | ours / Alpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error']} |" + " |" * 10)
+            lines.append(f"| {r['case']} | error: {r['error']} |" + " |" * 11)
             continue
         alpa = r["alpa_step_s"]
         ratio = "–" if alpa is None else f"{r['dp_step_s'] / alpa:.3f}"
         lines.append(
             f"| {r['case']} | {r['devices']} | {r['layers']} | {r['micro_batches']} | "
-            f"{r['trace_s']:.1f} | {r['plan_s']:.1f} | {r['total_s']:.1f} | {r['stages']} | "
+            f"{r['trace_s']:.1f} | {r['plan_s']:.1f} | {r['total_s']:.1f} | "
+            f"{r.get('ilp_solves', '–')} | {r['stages']} | "
             f"{r['dp_step_s']:.3f} | {r['alpa_stages']} | "
             f"{'–' if alpa is None else f'{alpa:.3f}'} | {ratio} |"
         )
@@ -222,7 +225,12 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeshard_planning.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = RESULTS / "pipeshard_planning.json"
+    if path.exists():  # keep the rows of cases not run this time
+        kept = [r for r in json.loads(path.read_text())["rows"] if r["case"] not in args.cases]
+        order = list(CASES)
+        result["rows"] = sorted(kept + rows, key=lambda r: order.index(r["case"]))
+    path.write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
     (RESULTS / "pipeshard_planning.md").write_text(text)
     print(text)
