@@ -66,6 +66,10 @@ class IntraOpConfig:
     reuse_repeated_layers: bool = True
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
 
+    def budget(self, cluster: ClusterSpec) -> float:
+        """Bytes per device a plan may use: the set budget, else the cluster's device memory."""
+        return self.memory_budget_per_device or cluster.device_memory
+
 
 def _grad_part(graph: OpGraph) -> set[str]:
     """Nodes the gradient boundary depends on: they run once per micro-batch."""
@@ -378,7 +382,7 @@ def plan_shard_parallel(
 ) -> Plan:
     """The ILP plan of `program` on `mesh_plan` (1D or 2D) for `cluster`'s costs."""
     problem = ShardingProblem(program, mesh_plan, cluster, config, num_micro_batches)
-    budget = config.memory_budget_per_device or cluster.device_memory
+    budget = config.budget(cluster)
     plan = problem.solve(budget)
     if plan is None:
         raise problem.over_budget(budget)

@@ -146,7 +146,7 @@ class LayerCosts:
     ) -> None:
         self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
         self.num_devices = num_devices
-        self.device_memory = config.intra.memory_budget_per_device or cluster.device_memory
+        self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
         self._costs: dict[tuple, tuple[LayerCost, ...]] = {}
         self.ilp_solves = 0
@@ -256,7 +256,7 @@ def plan_pipeshard(
     candidates on devices. Either counts its ILP solves in `ilp_solves`."""
     start_time = time.perf_counter()
     costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
-    memory = config.intra.memory_budget_per_device or cluster.device_memory
+    memory = config.intra.budget(cluster)
     solution = _solve(parts.num_layers, cluster_shape, costs, memory, config)
     dp_seconds = time.perf_counter() - start_time
     ranges = [a.layers for a in solution.stages]

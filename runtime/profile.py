@@ -63,15 +63,20 @@ class StageProfiler:
         self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
         self.devices = tuple(devices)
         self.repeats = repeats
-        self.device_memory = config.intra.memory_budget_per_device or cluster.device_memory
+        self.device_memory = config.intra.budget(cluster)
         self.ilp_solves = 0
+        self._programs: dict[tuple[int, int], StageProgram] = {}
         self._measured: dict[tuple, StageCost | None] = {}
         self._progress = tqdm(desc="profiling stages", unit="stage", leave=False)
         self._started = time.perf_counter()
 
     def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
         """Layers [start, end) on `logical`, measured (None: no plan fits device memory)."""
-        stage = range_program(self.parts, self.program.signature, start, end)
+        if (start, end) not in self._programs:  # asked again for every mesh
+            self._programs[start, end] = range_program(
+                self.parts, self.program.signature, start, end
+            )
+        stage = self._programs[start, end]
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
         key = (stage.program.fingerprint, mesh.shape)
         if key not in self._measured:

@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices (set before jax starts a backend) and shared helpers."""
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,6 +13,18 @@ import numpy as np  # noqa: E402
 import autopar  # noqa: E402
 
 autopar.simulate_cpu_devices(8)
+
+
+@functools.cache
+def serial_state(module, config, batch_size: int, steps: int):
+    """The train state after `steps` serial `jax.jit` full-batch steps of `module`'s model from
+    its initial state: what every parallel run is compared with."""
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, batch_size)
+    step = jax.jit(module.train_step)
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    return state
 
 
 def relative_error(actual, expected) -> float:

@@ -8,7 +8,7 @@ import logging
 import jax
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import relative_error, serial_state
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -16,7 +16,8 @@ import autopar
 from autopar.models import MLPConfig, mlp
 
 CONFIG = MLPConfig(in_dim=64, hidden=64, out_dim=64, num_layers=4)
-BATCH = mlp.make_batch(CONFIG, 32)
+BATCH_SIZE = 32
+BATCH = mlp.make_batch(CONFIG, BATCH_SIZE)
 STEPS = 3
 METHODS = {
     "shard8": autopar.ShardParallel(),
@@ -28,16 +29,6 @@ METHODS = {
         stage_option=autopar.UniformStageOption(2),
     ),
 }
-
-
-@functools.cache
-def serial_params(steps: int):
-    """Parameters after `steps` uninterrupted serial `jax.jit` steps, on the host."""
-    state = mlp.create_train_state(CONFIG, batch_size=2)
-    step = jax.jit(mlp.train_step)
-    for _ in range(steps):
-        state, _ = step(state, BATCH)
-    return jax.tree.map(np.asarray, state.params)
 
 
 @functools.cache
@@ -79,7 +70,10 @@ def _resume_and_check(method: str, directory, target):
     for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
         assert leaf.sharding == sharding
     state = _train(parallel_step(method), restored)
-    assert relative_error(state.params, serial_params(2 * STEPS)) <= 1e-5
+    assert (
+        relative_error(state.params, serial_state(mlp, CONFIG, BATCH_SIZE, 2 * STEPS).params)
+        <= 1e-5
+    )
     assert int(state.step) == 2 * STEPS
 
 

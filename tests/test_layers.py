@@ -124,6 +124,17 @@ def test_parameters_are_used_in_their_own_layer():
     assert carried == [[(8, 16)]] * 3 + [[()]]
 
 
+def _dot_layers(jaxpr) -> list[int]:
+    """The layer of each dot_general, by the last forward boundary marker before it."""
+    found, layer = [], 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == LAYER_BOUNDARY and e.params["kind"] == "forward":
+            layer = e.params["layer"]
+        elif e.primitive.name == "dot_general":
+            found.append(layer)
+    return found
+
+
 def test_clustering_balances_flops():
     """One layer 4x wider than the rest: 2 clustered layers put the wide matmuls apart from
     the others instead of splitting the matmul count evenly."""
@@ -131,13 +142,7 @@ def test_clustering_balances_flops():
     params, batch = _params(widths), _batch(16, 16)
     loss = functools.partial(_loss, marks=False)
     jaxpr = _layered_jaxpr(_step(loss), AutoLayerOption(2), params, batch)
-    forward_dots, layer = [], 0
-    for e in jaxpr.eqns:
-        if e.primitive.name == LAYER_BOUNDARY and e.params["kind"] == "forward":
-            layer = e.params["layer"]
-        elif e.primitive.name == "dot_general":
-            forward_dots.append(layer)
-    forward_dots = forward_dots[:5]  # the backward dots come after
+    forward_dots = _dot_layers(jaxpr)[:5]  # the backward dots come after
     # FLOPs per dot: 16*64, 64*16, then three 16*16: the cut goes after the two wide dots.
     assert forward_dots == [0, 0, 1, 1, 1]
 
@@ -149,13 +154,7 @@ def test_clustering_shares_repeated_blocks_evenly():
     params, batch = _params(widths), _batch(16, 16)
     loss = functools.partial(_loss, marks=False)
     jaxpr = _layered_jaxpr(_step(loss), AutoLayerOption(4), params, batch)
-    forward_dots, layer = [], 0
-    for e in jaxpr.eqns:
-        if e.primitive.name == LAYER_BOUNDARY and e.params["kind"] == "forward":
-            layer = e.params["layer"]
-        elif e.primitive.name == "dot_general":
-            forward_dots.append(layer)
-    assert forward_dots[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert _dot_layers(jaxpr)[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_markers_are_inert_outside_autopar():

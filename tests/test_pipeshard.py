@@ -1,14 +1,13 @@
 """PipeshardParallel on 8 simulated devices: parameters after 3 steps against the serial step,
 stages on disjoint sub-meshes (read off the outputs' shardings), the stage split, bad inputs."""
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import relative_error, serial_state
 
 import autopar
 from autopar.api import trace_for_method
@@ -35,16 +34,9 @@ def _config(family: str, manual_layers: bool):
     return module, config
 
 
-@functools.cache
 def serial_params(family: str):
     """Parameters after STEPS serial `jax.jit` full-batch steps."""
-    module, config = FAMILIES[family]
-    state = module.create_train_state(config, batch_size=2)
-    batch = module.make_batch(config, BATCH)
-    step = jax.jit(module.train_step)
-    for _ in range(STEPS):
-        state, _ = step(state, batch)
-    return state.params
+    return serial_state(*FAMILIES[family], BATCH, STEPS).params
 
 
 def _run(family: str, method, manual_layers: bool = False, steps: int = STEPS):

@@ -5,7 +5,7 @@ import logging
 
 import jax
 import pytest
-from conftest import relative_error
+from conftest import relative_error, serial_state
 
 import autopar
 from autopar.models import MLPConfig, mlp
@@ -17,13 +17,8 @@ STEPS = 3
 SOLVER_LOG = "sharding ILP:"
 
 
-def _serial_params(steps=STEPS):
-    state = mlp.create_train_state(CONFIG, batch_size=2)
-    batch = mlp.make_batch(CONFIG, BATCH)
-    step = jax.jit(mlp.train_step)
-    for _ in range(steps):
-        state, _ = step(state, batch)
-    return state.params
+def _serial_params():
+    return serial_state(mlp, CONFIG, BATCH, STEPS).params
 
 
 def _train(method, steps=STEPS, batch_size=BATCH):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import relative_error, serial_state
 
 import autopar
 from autopar.models import MLPConfig, mlp
@@ -22,12 +22,8 @@ PIPELINE = autopar.PipeshardParallel(
 )
 
 
-def _serial(steps=STEPS):
-    state = mlp.create_train_state(CONFIG, batch_size=2)
-    batch = mlp.make_batch(CONFIG, BATCH)
-    for _ in range(steps):
-        state, _ = jax.jit(mlp.train_step)(state, batch)
-    return state
+def _serial():
+    return serial_state(mlp, CONFIG, BATCH, STEPS)
 
 
 def _train_step(method):
