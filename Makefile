@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ bench-planner: $(STAMP)
 
 bench-pipeline: $(STAMP)
 	$(VENV)/bin/python benchmarks/pipeshard_planning.py
+
+bench-ray: $(STAMP)
+	$(VENV)/bin/python benchmarks/ray_pipeline.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -39,6 +39,13 @@ from autopar.planner.errors import (
 from autopar.planner.plan import Plan
 from autopar.runtime.executable import Executable, MemoryStats
 from autopar.runtime.local import PipelineExecutable
+from autopar.runtime.ray import (
+    RayExecutable,
+    RemoteArray,
+    RemoteError,
+    StageFailedError,
+    StepTimeoutError,
+)
 
 __version__ = "0.1.0"
 
@@ -62,7 +69,12 @@ __all__ = [
     "Plan",
     "PlanFile",
     "PlanningError",
+    "RayExecutable",
+    "RemoteArray",
+    "RemoteError",
     "ShardParallel",
+    "StageFailedError",
+    "StepTimeoutError",
     "TracingError",
     "UniformStageOption",
     "Zero2Parallel",

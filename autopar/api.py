@@ -22,20 +22,23 @@ from autopar.methods import (
     ShardParallel,
     method_mesh,
 )
-from autopar.options import AutoShardingOption
+from autopar.options import AutoLayerOption, AutoShardingOption
 from autopar.plan_store import PlanCache, check_plan_fits, tracing_record
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.explain import PlanningContext
 from autopar.planner.explicit import plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
-from autopar.planner.pipeline import split_step
+from autopar.planner.pipeline import StepParts, split_step
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, Plan, Spec
+from autopar.planner.program import Program
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import (
     TracedStep,
+    abstract_value,
     argument_names,
     check_batch_leaves,
     resolve_argnums,
@@ -122,8 +125,9 @@ def _plan(
         if not devices:
             raise InvalidArgumentError(
                 "AutoStageOption(profile=True) times stages on the devices, but this plan is "
-                "made without them (autopar.plan); use profile=False (the cost model) or run "
-                "the step through autopar.parallelize"
+                "made without local devices (autopar.plan, or a Ray runtime); use "
+                "profile=False (the cost model) or run the step locally through "
+                "autopar.parallelize"
             )
         run_on = [devices[i] for i in mesh.device_indices]
         profiler = StageProfiler(parts, traced.program, cluster, config, run_on)
@@ -167,6 +171,76 @@ def _planned(
     return plan
 
 
+def _abstract(args: Sequence[Any], static: Sequence[int]) -> tuple[Any, ...]:
+    """`args` with every array leaf of a non-static argument as a `jax.ShapeDtypeStruct`, so
+    that keeping them (to trace again) holds no device memory."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) or not (hasattr(x, "shape") or hasattr(x, "aval")):
+            return x
+        aval = abstract_value(x)
+        weak = getattr(aval, "weak_type", False)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+
+    return tuple(a if i in static else jax.tree.map(leaf, a) for i, a in enumerate(args))
+
+
+def _with_context(
+    plan: Plan,
+    traced: TracedStep,
+    method: Method,
+    mesh: MeshPlan,
+    cluster: ClusterSpec,
+    retrace: Callable[[Method], TracedStep],
+) -> Plan:
+    """`plan` with the `PlanningContext` that `Plan.explain()` needs (not serialised).
+
+    `retrace(method)` traces the same step for another method: as ShardParallel traces it (for
+    the single-mesh baselines) or cut into layers (for pipeline baselines)."""
+    k = traced.num_micro_batches
+    option = getattr(method, "auto_sharding_option", None) or AutoShardingOption()
+    pipelined = plan.pipeline_schedule is not None
+    n = mesh.num_devices
+    if len(mesh.shape) == 2:
+        cluster_shape = tuple(mesh.shape)
+    else:
+        cluster_shape = cluster.physical_mesh_shape if n == cluster.num_devices else (1, n)
+
+    @functools.cache
+    def single_mesh_program() -> Program:
+        return retrace(ShardParallel(num_micro_batches=k)).program
+
+    @functools.cache
+    def layered(num_layers: int) -> tuple[StepParts, Program]:
+        step = traced
+        if not pipelined:
+            layers = AutoLayerOption(layer_num=num_layers)
+            step = retrace(PipeshardParallel(num_micro_batches=k, layer_option=layers))
+        parts = split_step(step.closed_jaxpr, step.program.signature.batch_inputs)
+        return parts, step.program
+
+    single_mesh = mesh
+    if pipelined:  # the baselines' mesh: all the pipeline's devices, as ShardParallel has them
+        hosts, per_host = cluster_shape
+        shape, axes = ((per_host,), ("x",)) if hosts == 1 else (cluster_shape, ("x", "y"))
+        single_mesh = MeshPlan(shape, axes, mesh.device_indices)
+    reuse = isinstance(method, ShardParallel) or (
+        isinstance(method, DataParallel) and method.regather_params
+    )
+    context = PlanningContext(
+        program=traced.program,
+        cluster=cluster,
+        mesh=single_mesh,
+        cluster_shape=cluster_shape,
+        intra=option.to_config(),
+        num_micro_batches=k,
+        schedule=plan.pipeline_schedule or "1f1b",
+        single_mesh_program=None if reuse else single_mesh_program,
+        layered=layered,
+    )
+    return dataclasses.replace(plan, context=context)
+
+
 def trace_for_method(
     fun: Callable, args: Sequence[Any], method: Method, argnums: tuple[tuple[int, ...], ...]
 ) -> TracedStep:
@@ -191,8 +265,9 @@ def trace_for_method(
 
 def _shape_key(x: Any) -> tuple:
     """Shape, dtype and weak type of an argument leaf: what a plan depends on. Not its sharding,
-    which the executable's own outputs carry and which must not force a new plan."""
-    aval = jax.typeof(x)
+    which the executable's own outputs carry and which must not force a new plan. (A Ray
+    `RemoteArray` has no jax type but carries its aval.)"""
+    aval = abstract_value(x)
     return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 
@@ -267,9 +342,16 @@ class ParallelizedFunc:
         if key not in self._plans:
             self._check_batch(args)
             runtime = current_runtime()
-            mesh, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
-            traced = trace_for_method(self.fun, args, self.method, self._argnums(args))
+            mesh, devices = method_mesh(
+                self.method, runtime.cluster_spec, runtime.devices or None
+            )
+            argnums = self._argnums(args)
+            traced = trace_for_method(self.fun, args, self.method, argnums)
             plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices)
+            retrace = functools.partial(
+                _retrace, self.fun, _abstract(args, argnums[0]), argnums=argnums
+            )
+            plan = _with_context(plan, traced, self.method, mesh, runtime.cluster_spec, retrace)
             self._plans[key] = (traced, plan)
         return self._plans[key]
 
@@ -283,13 +365,19 @@ class ParallelizedFunc:
         return self._executable(args, *self._key(args, self._argnums(args)[0]))[0]
 
     def _executable(self, args, key, leaves) -> tuple[Executable, list[Any]]:
-        executable = self._executables.get(key)
+        runtime = current_runtime()
+        executable = self._executables.get((key, runtime.session))
         if executable is None:
             traced, plan = self._traced_plan(args, key)
-            runtime = current_runtime()
-            _, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
-            executable = compile_plan(traced, plan, devices)
-            self._executables[key] = executable
+            if runtime.ray is not None:
+                from autopar.runtime.ray import RayExecutable, StepSource
+
+                source = StepSource.of(self.fun, args, self._argnums(args))
+                executable = RayExecutable(runtime.ray, traced, plan, source)
+            else:
+                _, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
+                executable = compile_plan(traced, plan, devices)
+            self._executables[key, runtime.session] = executable
         return executable, leaves
 
     def __call__(self, *args: Any) -> Any:
@@ -374,10 +462,27 @@ def plan(
     """Plan `fun(*args)` without compiling and without the target devices.
 
     `args` may be `jax.ShapeDtypeStruct`s; `cluster_spec` may describe a cluster that is not here
-    (default: the current runtime's).
+    (default: the current runtime's). The plan can `explain()` itself (it carries the traced
+    step, not serialised).
+
+    Example::
+
+        plan = autopar.plan(train_step, state_shapes, batch_shapes,
+                            cluster_spec=autopar.ClusterSpec.preset("2x8xA100-80G"))
+        print(plan.summary())
+        print(plan.explain())
     """
     method = _check_method(method)
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
     traced = trace_for_method(fun, args, method, argnums)
-    return _planned(traced, method, method_mesh(method, cluster)[0], cluster)
+    mesh = method_mesh(method, cluster)[0]
+    plan = _planned(traced, method, mesh, cluster)
+    retrace = functools.partial(_retrace, fun, _abstract(args, argnums[0]), argnums=argnums)
+    return _with_context(plan, traced, method, mesh, cluster, retrace)
+
+
+def _retrace(
+    fun: Callable, args: Sequence[Any], method: Method, *, argnums: tuple[tuple[int, ...], ...]
+) -> TracedStep:
+    return trace_for_method(fun, args, method, argnums)

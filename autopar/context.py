@@ -1,14 +1,18 @@
 """The runtime autopar runs on: which devices, and which cluster they stand for.
 
 `autopar.init` sets it once per process (like `ray.init`); `autopar.shutdown` clears it. Without
-`init`, autopar runs on all local jax devices with a ClusterSpec for them.
+`init`, autopar runs on all local jax devices with a ClusterSpec for them. With
+`init(cluster="ray")` the devices are those of Ray mesh workers (`autopar.runtime.ray`): the
+driver plans, the workers run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+from typing import Any
 
 import jax
 
@@ -17,19 +21,26 @@ from autopar.planner.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_CLUSTERS = ("local",)
+SUPPORTED_CLUSTERS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """Devices to run on and the ClusterSpec that prices them."""
+    """Devices to run on and the ClusterSpec that prices them.
+
+    `session` tells runtimes apart (executables are cached per session); `ray` is the Ray
+    connection of a "ray" runtime, whose devices live in worker processes (`devices` is empty).
+    """
 
     kind: str
     devices: tuple[jax.Device, ...]
     cluster_spec: ClusterSpec
+    session: int = 0
+    ray: Any = dataclasses.field(default=None, compare=False)
 
 
 _current: Runtime | None = None
+_sessions = itertools.count(1)
 
 
 def _local_runtime(num_devices: int | None, cluster_spec: ClusterSpec | None) -> Runtime:
@@ -80,14 +91,28 @@ def init(
     num_devices: int | None = None,
     address: str | None = None,
     cluster_spec: ClusterSpec | None = None,
+    step_timeout_s: float | None = None,
 ) -> None:
     """Choose the devices autopar runs on.
 
+    Example::
+
+        autopar.init("ray", cluster_spec=autopar.ClusterSpec.preset("2x8xA100-80G"))
+        ...
+        autopar.shutdown()
+
     Args:
-      cluster: "local" (this process's jax devices).
-      num_devices: use the first `num_devices` local devices (default: all).
-      address: reserved for clusters reached over the network; must be None for "local".
-      cluster_spec: the cluster the local devices stand for, so plans use its costs.
+      cluster: "local" (this process's jax devices) or "ray" (Ray mesh workers: the GPUs of
+        the Ray cluster's hosts, or simulated CPU devices where it has none).
+      num_devices: "local": use the first `num_devices` local devices (default: all); "ray"
+        without GPUs and without `cluster_spec`: simulate this many devices on one host
+        (default 8).
+      address: "ray" only: the Ray cluster to join ("auto" or host:port); None starts a local
+        Ray instance unless Ray is already initialised in this process.
+      cluster_spec: the cluster the devices stand for, so plans use its costs. On Ray without
+        GPUs its (num_hosts, devices_per_host) are the simulated hosts.
+      step_timeout_s: "ray" only: a step (or building its stages) that takes longer raises
+        `StepTimeoutError` (default 600 s).
     """
     global _current
     if cluster not in SUPPORTED_CLUSTERS:
@@ -99,16 +124,28 @@ def init(
             f"autopar.init was already called (cluster={_current.kind!r}); call "
             "autopar.shutdown() first"
         )
-    if address is not None:
-        raise InvalidArgumentError(f"address={address!r} has no meaning for cluster='local'")
-    _current = _local_runtime(num_devices, cluster_spec)
-    logger.info("autopar runs on %d %s device(s)", len(_current.devices), cluster)
+    if cluster == "local":
+        for name, value in (("address", address), ("step_timeout_s", step_timeout_s)):
+            if value is not None:
+                raise InvalidArgumentError(f"{name}={value!r} has no meaning for cluster='local'")
+        runtime = _local_runtime(num_devices, cluster_spec)
+        _current = dataclasses.replace(runtime, session=next(_sessions))
+        logger.info("autopar runs on %d local device(s)", len(_current.devices))
+        return
+    from autopar.runtime.ray import DEFAULT_STEP_TIMEOUT_S, RayCluster
+
+    timeout = DEFAULT_STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
+    connection = RayCluster.connect(address, cluster_spec, num_devices, timeout)
+    _current = Runtime("ray", (), connection.cluster_spec, next(_sessions), connection)
 
 
 def shutdown() -> None:
-    """Forget the runtime set by `init` (a later call runs on the default local runtime)."""
+    """Release the runtime set by `init`: on Ray, every mesh worker and the placement group (and
+    Ray itself if `init` started it). A later call runs on the default local runtime."""
     global _current
-    _current = None
+    runtime, _current = _current, None
+    if runtime is not None and runtime.ray is not None:
+        runtime.ray.shutdown()
 
 
 def current_runtime() -> Runtime:

@@ -69,8 +69,17 @@ def argument_names(fun: Callable, num_args: int) -> list[str]:
     return [params[i] if i < len(params) else f"arg{i}" for i in range(num_args)]
 
 
+def abstract_value(x: Any) -> Any:
+    """The aval of an argument leaf; objects that stand for arrays held elsewhere (a Ray
+    `RemoteArray`) carry it as `.aval`."""
+    aval = getattr(x, "aval", None)
+    return aval if isinstance(aval, jax.core.ShapedArray) else jax.typeof(x)
+
+
 def _is_array_like(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+    return isinstance(
+        x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+    ) or isinstance(getattr(x, "aval", None), jax.core.ShapedArray)
 
 
 def _check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int, ...]:
@@ -143,7 +152,7 @@ def check_batch_leaves(arg_name: str, arg: Any, num_micro_batches: int) -> None:
 def _unsharded_aval(leaf: Any) -> Any:
     """The leaf's aval without the sharding a committed array carries: plans are made for
     shapes, and a step's outputs (placed by the plan) must trace like its first inputs."""
-    return jax.typeof(leaf).update(sharding=None)
+    return abstract_value(leaf).update(sharding=None)
 
 
 def _micro_batch_aval(aval: Any, k: int) -> Any:

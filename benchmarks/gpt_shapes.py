@@ -7,11 +7,10 @@ import pathlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import autopar
 from autopar.api import trace_for_method
-from autopar.models import GPTConfig, gpt
+from autopar.models import GPTConfig, abstract_train_inputs, gpt
 from autopar.tracing import TracedStep, resolve_argnums
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -29,11 +28,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def gpt_inputs(config: GPTConfig, global_batch: int) -> tuple[Any, dict[str, jax.ShapeDtypeStruct]]:
     """Abstract train state (no parameters allocated) and an abstract global batch."""
-    state = jax.eval_shape(lambda: gpt.create_train_state(config))
-    batch = {
-        name: jax.ShapeDtypeStruct((global_batch, config.seq_len), jnp.int32)
-        for name in ("tokens", "targets")
-    }
+    _, state, batch = abstract_train_inputs(gpt, config, global_batch)
     return state, batch
 
 

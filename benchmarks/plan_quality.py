@@ -1,8 +1,9 @@
 """Benchmark: ShardParallel's ILP plan versus hand-written baselines, all under one cost model.
 
 For Alpa's GPT models (seq 1024, vocab 51200; global batch 1024 in 128 micro-batches by default)
-on 8-GPU cluster presets, the unrestricted ILP plan is compared with four classic layouts. Each
-baseline is the same ILP (`plan_shard_parallel`) with the storage spec of EVERY step input pinned
+on 8-GPU cluster presets, the unrestricted ILP plan is compared with four classic layouts, as
+`autopar.planner.baselines` defines and prices them (the library code `Plan.explain()` uses).
+Each baseline is the same ILP with the storage spec of EVERY step input pinned
 (`IntraOpConfig.pinned_inputs`), so all are priced by the same cost model; the ILP still picks the
 strategies of the ops in between (it cannot do worse than the layout's natural strategies). A
 baseline that does not fit device memory is reported as OOM with the least memory it needs.
@@ -11,13 +12,13 @@ baseline that does not fit device memory is reported as OOM with the least memor
 * Z2 (ZeRO-2): batch split; parameters replicated; optimizer state split on its largest dim
   divisible by the device count (`split_spec`).
 * Z3 (ZeRO-3 / FSDP): batch split; parameters and optimizer state split the same way.
-* Megatron (8-way tensor parallelism): batch replicated; q/k/v kernels (hidden, heads, head_dim)
-  and fc_in split on their output dim (heads, or head_dim where heads is not divisible by the
-  device count: GPT-125M has 12 heads), q/v biases and the fc_in bias with them; attention out
-  (heads, head_dim, hidden) and fc_out split on their input dim; token embedding split on vocab
-  (Megatron's VocabParallelEmbedding) and the LM head on vocab (its column-parallel output layer);
-  position embedding, layernorms, out/fc_out biases and scalars replicated; Adam moments mirror
-  their parameter.
+* Megatron (8-way tensor parallelism): batch replicated; on GPT the library's rule gives: q/k/v
+  kernels (hidden, heads, head_dim) and fc_in split on their output dim (heads, or head_dim
+  where heads is not divisible by the device count: GPT-125M has 12 heads), q/v biases and the
+  fc_in bias with them; attention out (heads, head_dim, hidden) and fc_out split on their input
+  dim; token embedding split on vocab (Megatron's VocabParallelEmbedding) and the LM head on
+  vocab (its column-parallel output layer); position embedding, layernorms, out/fc_out biases
+  and scalars replicated; Adam moments mirror their parameter.
 
     python benchmarks/plan_quality.py [--models 125M] [--clusters 8xV100-p3] [--time-limit 60]
 
@@ -35,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from typing import Any
 
@@ -48,98 +48,42 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import autopar
 from autopar.methods import method_mesh
 from autopar.models import GPTConfig
+from autopar.planner.baselines import (
+    TOLERANCE,
+    Baseline,
+    InputRole,
+    LayoutResult,
+    baseline_pins,
+    input_roles,
+    price_layout,
+)
 from autopar.planner.cluster import preset_names
-from autopar.planner.explicit import split_spec
-from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
-from autopar.planner.plan import MeshPlan, Plan
+from autopar.planner.intra import IntraOpConfig
+from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.planner.program import Program
+from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger("plan_quality")
 
 CLUSTERS = ("8xV100-p3", "8xA100-80G", "8xH100-80G")
-BASELINES = ("DP", "Z2", "Z3", "Megatron")
+BASELINES = tuple(b.value for b in Baseline)  # DP, Z2, Z3, Megatron
 METHODS = ("ILP",) + BASELINES
 GiB = 2**30
-# The ILP's objective adds a storage tie-break and CBC stops within its default gap: a relative
-# difference below this is "equal", not "worse".
-TOLERANCE = 1e-4
-_PARAM = re.compile(r"^state\.params(\[.*\])$")
-_MOMENT = re.compile(r"^state\.opt_state\[\d+\]\.(?:mu|nu)(\[.*\])$")
-_OOM = re.compile(r"would fit is about ([\d.]+ \w+)")
-_LAYER = re.compile(r"\['(\w+)'\]\['(\w+)'\]$")
-
-Spec = tuple[tuple[str, ...] | None, ...]
-
-
-# ----------------------------------------------------------------------------- inputs and tracing
-
-
-# ----------------------------------------------------------------------------- baseline layouts
-
-
-def _replicated(shape: tuple[int, ...]) -> Spec:
-    return (None,) * len(shape)
-
-
-def _split(shape: tuple[int, ...], dim: int, axes: tuple[str, ...], n: int) -> Spec:
-    if shape[dim] % n:
-        raise ValueError(f"dim {dim} of {shape} does not split over {n} devices")
-    return tuple(axes if d == dim else None for d in range(len(shape)))
-
-
-def megatron_spec(key: str, shape: tuple[int, ...], axes: tuple[str, ...], n: int) -> Spec:
-    """Megatron-LM's tensor-parallel layout of one GPT parameter (see the module docstring)."""
-    found = _LAYER.search(key)
-    module, leaf = found.groups() if found else ("", "")
-    if key == "['wte']['embedding']":
-        return _split(shape, 0, axes, n)  # vocab-parallel embedding
-    if key == "['lm_head']['kernel']":
-        return _split(shape, 1, axes, n)  # column-parallel LM head (vocab)
-    if module in ("query", "key", "value"):
-        heads = 1 if leaf == "kernel" else 0  # kernel (hidden, heads, hd), bias (heads, hd)
-        return _split(shape, heads if shape[heads] % n == 0 else heads + 1, axes, n)
-    if module == "out" and leaf == "kernel":  # (heads, head_dim, hidden): row-parallel
-        return _split(shape, 0 if shape[0] % n == 0 else 1, axes, n)
-    if module == "fc_in":  # column-parallel: kernel (hidden, 4 hidden), bias (4 hidden,)
-        return _split(shape, len(shape) - 1, axes, n)
-    if module == "fc_out" and leaf == "kernel":  # row-parallel: (4 hidden, hidden)
-        return _split(shape, 0, axes, n)
-    return _replicated(shape)
-
-
-def baseline_pins(program: Program, name: str, mesh: MeshPlan) -> tuple[tuple[str, Spec], ...]:
-    """The storage spec of every step input under baseline `name`."""
-    sig = program.signature
-    axes, n = tuple(mesh.axis_names), mesh.num_devices
-    pins = []
-    for i, (path, aval) in enumerate(zip(sig.input_paths, sig.input_avals, strict=True)):
-        shape = tuple(aval.shape)
-        param, moment = _PARAM.match(path), _MOMENT.match(path)
-        if i in sig.batch_inputs:
-            spec = _replicated(shape) if name == "Megatron" else _split(shape, 0, axes, n)
-        elif name == "Megatron" and (param or moment):
-            spec = megatron_spec((param or moment).group(1), shape, axes, n)
-        elif (name == "Z3" and param) or (name in ("Z2", "Z3") and moment):
-            spec = split_spec(shape, axes, n)
-        else:
-            spec = _replicated(shape)
-        pins.append((path, spec))
-    return tuple(pins)
+ROLES = {"batch": InputRole.BATCH, "param": InputRole.PARAM, "opt": InputRole.PARAM_STATE}
+Pins = tuple[tuple[str, Spec], ...]
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _split_fraction(program: Program, plan: Plan, role: str) -> float | None:
+def _split_fraction(program: Program, plan: Plan, role: InputRole) -> float | None:
     """Fraction of the bytes of inputs of `role` that the plan stores split."""
     sig = program.signature
     total = split = 0
-    for i, (path, aval, spec) in enumerate(
-        zip(sig.input_paths, sig.input_avals, plan.stages[0].input_specs, strict=True)
+    for aval, spec, kind in zip(
+        sig.input_avals, plan.stages[0].input_specs, input_roles(program), strict=True
     ):
-        kind = "batch" if i in sig.batch_inputs else "param" if _PARAM.match(path) else None
-        kind = "opt" if _MOMENT.match(path) else kind
-        if kind != role:
+        if kind is not role:
             continue
         size = math.prod(aval.shape) * aval.dtype.itemsize
         total += size
@@ -147,34 +91,19 @@ def _split_fraction(program: Program, plan: Plan, role: str) -> float | None:
     return split / total if total else None
 
 
-def evaluate(
-    program: Program,
-    mesh: MeshPlan,
-    cluster: autopar.ClusterSpec,
-    config: IntraOpConfig,
-    k: int,
-) -> dict[str, Any]:
-    start = time.perf_counter()
-    try:
-        plan = plan_shard_parallel(program, mesh, cluster, config, k)
-    except autopar.PlanningError as e:
-        found = _OOM.search(str(e))
-        needs = found.group(1) if found else None
-        logger.info("planning failed: %s", e)
-        if found:
-            status = "oom"
-        elif "no solution" in str(e):
-            status = "infeasible"  # the pinned layout has no plan in the ILP's menus at all
-        else:
-            status = "error"
+def evaluate(result: LayoutResult, program: Program, pins: Pins, seconds: float) -> dict[str, Any]:
+    """A priced layout as a result row entry."""
+    if not result.fits:
+        logger.info("planning failed: %s", result.message)
+        needs = result.least_memory_bytes
         return {
-            "status": status,
-            "needs": needs,
-            "message": str(e),
-            "plan_s": time.perf_counter() - start,
+            "status": result.status.value,
+            "needs": None if needs is None else format_bytes(needs),
+            "message": result.message,
+            "plan_s": seconds,
         }
-    elapsed = time.perf_counter() - start
-    pinned = dict(config.pinned_inputs)
+    plan, p = result.plan, result.predicted
+    pinned = dict(pins)
     broken = [
         path
         for path, spec in zip(plan.input_paths, plan.stages[0].input_specs, strict=True)
@@ -184,7 +113,6 @@ def evaluate(
         logger.warning(
             "%d pinned inputs were not stored as pinned, e.g. %s", len(broken), broken[0]
         )
-    p = plan.predicted
     return {
         "status": "ok",
         "step_ms": p.step_time_s * 1e3,
@@ -194,8 +122,8 @@ def evaluate(
         "communication_gib": p.communication_bytes / GiB,
         "optimal": not any("time limit" in note for note in plan.notes),
         "pins_broken": len(broken),
-        "split": {role: _split_fraction(program, plan, role) for role in ("batch", "param", "opt")},
-        "plan_s": elapsed,
+        "split": {name: _split_fraction(program, plan, role) for name, role in ROLES.items()},
+        "plan_s": seconds,
     }
 
 
@@ -207,9 +135,11 @@ def run_method(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Plan one method: the ILP unrestricted, a baseline with its storage layout pinned."""
-    pins = () if method == "ILP" else baseline_pins(program, method, mesh)
+    pins = () if method == "ILP" else baseline_pins(program, Baseline(method), mesh)
     config = IntraOpConfig(solver=args.solver, time_limit_s=args.time_limit, pinned_inputs=pins)
-    return evaluate(program, mesh, cluster, config, args.micro_batches)
+    start = time.perf_counter()
+    result = price_layout(program, mesh, cluster, config, args.micro_batches, method)
+    return evaluate(result, program, pins, time.perf_counter() - start)
 
 
 def compare(row: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ def main() -> None:
     batch = gpt.make_batch(config, args.batch)
     print(f"GPT {gpt.param_count(config):,} parameters on {len(jax.devices())} devices\n")
     executable = train_step.get_executable(state, batch)
-    print(executable.plan.summary(max_inputs=12))
+    print(executable.plan.summary(max_rows=12))
     mem = executable.memory_stats()
     print(
         f"\nXLA memory per device: arguments {mem.argument_bytes / 2**20:.2f} MiB, "

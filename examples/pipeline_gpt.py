@@ -46,7 +46,7 @@ def main() -> None:
     state = serial = gpt.create_train_state(config)
     batch = gpt.make_batch(config, args.batch)
     print(f"GPT {gpt.param_count(config):,} parameters on {len(jax.devices())} devices\n")
-    print(train_step.get_plan(state, batch).summary(max_inputs=4))
+    print(train_step.get_plan(state, batch).summary(max_rows=4))
     for step in range(args.steps):
         state, metrics = train_step(state, batch)
         serial, _ = serial_step(serial, batch)

@@ -21,6 +21,11 @@ class PlanningError(AutoparError):
     """No valid plan exists for this program on this cluster with these options."""
 
 
+class InfeasibleError(PlanningError):
+    """The sharding ILP has no solution at all, whatever the memory budget (e.g. inputs pinned
+    to specs that no strategy of their readers accepts)."""
+
+
 def check_positive_int(name: str, value: object) -> int:
     """`value` as an int; InvalidArgumentError naming `name` unless it is an integer ≥ 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -191,7 +191,8 @@ def predict(
             2 * lmesh.all_gather_cost(param_bytes, axes)
             + lmesh.reduce_scatter_cost(param_bytes, axes)
         )
-    compute = compute_cost(k * program.graph.total_flops / mesh.num_devices, cluster.device_flops)
+    flops = k * program.graph.total_flops
+    compute = compute_cost(flops / mesh.num_devices, cluster.device_flops)
     stored = sum(
         _bytes_per_device(a.shape, a.dtype.itemsize, s, mesh)
         for a, s in zip(sig.input_avals, stage_plan.input_specs, strict=True)
@@ -203,4 +204,5 @@ def predict(
         communication_s=comm,
         memory_per_device_bytes=stored + grads,
         communication_bytes=comm_bytes,
+        flops=flops,
     )

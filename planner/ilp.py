@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pulp
 
-from autopar.planner.errors import PlanningError
+from autopar.planner.errors import InfeasibleError, PlanningError
 
 logger = logging.getLogger(__name__)
 
@@ -266,5 +266,5 @@ class IntraOpIlp:
             prob, s, lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6, peak, {}
         )
         if result is None:
-            raise PlanningError("the sharding ILP has no solution even without a memory budget")
+            raise InfeasibleError("the sharding ILP has no solution even without a memory budget")
         return float(self.memory.evaluate(result[0]).max())

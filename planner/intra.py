@@ -21,7 +21,14 @@ from autopar.planner.cost import LogicalMesh, logical_mesh
 from autopar.planner.errors import PlanningError
 from autopar.planner.explicit import param_inputs, split_spec
 from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
-from autopar.planner.groups import Grouping, Value, assign_classes, group_graph, input_value
+from autopar.planner.groups import (
+    Group,
+    Grouping,
+    Value,
+    assign_classes,
+    group_graph,
+    input_value,
+)
 from autopar.planner.ilp import (
     OVERLAP_PENALTY,
     ClassCosts,
@@ -33,6 +40,7 @@ from autopar.planner.memory import Liveness, liveness, value_aval
 from autopar.planner.menus import Costs, Edge, MenuBuilder
 from autopar.planner.plan import (
     MeshPlan,
+    OpGroupCost,
     Plan,
     Predicted,
     ReduceScatterLowering,
@@ -50,6 +58,7 @@ logger = logging.getLogger(__name__)
 REDUCE_SCATTER_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add")
 # Storing a byte costs this fraction of moving it: breaks ties towards less memory.
 _STORAGE_TIE_BREAK = 1e-3
+TOP_OP_GROUPS = 8  # classes of op groups a stage plan lists in `op_costs`
 _GRADIENT_PASS_THROUGH = ("convert_element_type", "copy", "transpose", "reshape", "add_any")
 
 
@@ -363,9 +372,10 @@ class ShardingProblem:
             notes=(note,),
         )
 
-    def over_budget(self, budget: float) -> PlanningError:
-        """The error for a budget nothing fits in, with the least memory that would fit."""
-        least = self.ilp.least_memory()
+    def over_budget(self, budget: float, least: float | None = None) -> PlanningError:
+        """The error for a budget nothing fits in, with the least memory that would fit
+        (`least`, or found by the ILP)."""
+        least = self.ilp.least_memory() if least is None else least
         return PlanningError(
             f"no sharding plan fits the memory budget of {format_bytes(budget)} per device; the "
             f"least memory per device that would fit is about {format_bytes(least)} (set "
@@ -407,6 +417,8 @@ def _emit(
     # The prediction replays the plan: XLA reshards a value to a spec once for all its readers,
     # except at parameter uses.
     totals = Costs.zeros(())
+    by_class: dict[int, list[float]] = {}  # class -> [compute, communication] seconds
+    flops = 0.0
     resharded: set[tuple] = set()
     reshard_temps = np.zeros(problem.live.num_steps + 1)  # differences: + at start, - after end
     aliases = {n.id for n in nodes_by_primitive(graph, PARAM_USE)}
@@ -419,6 +431,8 @@ def _emit(
         group = grouping.groups[grouping.group_of_node[node.id]]
         s = builder.menu(group).strategies[choice[group.index]][group.members.index(node.id)]
         weight = builder.weights.get(node.id, 1.0)
+        flops += weight * node.flops
+        before = totals.at(())
         builder.add_node_cost(totals, (), node, s, weight, node.id in builder.overlappable_nodes)
         node_outputs[node.id] = s.out_specs
         needs: list[Spec | None] = []
@@ -445,6 +459,10 @@ def _emit(
             size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
             reshard_temps[start] += size
             reshard_temps[end + 1] -= size
+        after = totals.at(())
+        spent = by_class.setdefault(group.cls, [0.0, 0.0])
+        spent[0] += after[0] - before[0]
+        spent[1] += after[1] + after[2] - before[1] - before[2]
         if any(n is not None for n in needs):
             node_inputs[node.id] = tuple(needs)
         if s.reduce_scatters and node.primitive in REDUCE_SCATTER_PRIMITIVES:
@@ -474,6 +492,7 @@ def _emit(
         node_output_specs=node_outputs,
         node_input_specs=node_inputs,
         reduce_scatter=reduce_scatter,
+        op_costs=_top_op_costs(program, grouping, by_class),
     )
     compute, blocking, overlap, comm_bytes = totals.at(())
     per_step = memory.evaluate_groups(choice) + np.cumsum(reshard_temps)[: problem.live.num_steps]
@@ -483,5 +502,61 @@ def _emit(
         communication_s=blocking + overlap,
         memory_per_device_bytes=float(per_step.max()) if len(per_step) else 0.0,
         communication_bytes=comm_bytes,
+        flops=flops,
     )
     return stage, predicted
+
+
+def _short_dtype(dtype) -> str:
+    name = getattr(dtype, "name", str(dtype))
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i")):
+        if name.startswith(long):
+            return short + name[len(long) :]
+    return name
+
+
+def _aval_text(aval) -> str:
+    return f"{_short_dtype(aval.dtype)}[{','.join(map(str, aval.shape))}]"
+
+
+def _describe_group(program: Program, grouping: Grouping, group: Group) -> str:
+    """The leader of an op group in words: ``dot_general f32[8,64] x f32[64,256] -> f32[8,256]``
+    for an op, ``input state.params['w'] (+3 ops)`` for a step input and what follows it."""
+    if group.is_input:
+        path = program.signature.input_paths[group.leader]
+        followers = len(group.members)
+        return f"input {path}" + (f" (+{followers} ops)" if followers else "")
+    node = grouping.graph.node(group.leader)
+    ins = " x ".join(_aval_text(a) for a in node.in_avals if a.shape)
+    outs = ", ".join(_aval_text(a) for a in node.out_avals)
+    return f"{node.primitive} {ins or 'scalars'} -> {outs}"
+
+
+def _top_op_costs(
+    program: Program, grouping: Grouping, by_class: dict[int, list[float]], top: int = TOP_OP_GROUPS
+) -> tuple[OpGroupCost, ...]:
+    """The `top` classes of op groups with the most predicted compute + communication."""
+    first: dict[int, Group] = {}
+    count: dict[int, int] = {}
+    for group in grouping.groups:
+        first.setdefault(group.cls, group)
+        count[group.cls] = count.get(group.cls, 0) + 1
+    ranked = sorted(by_class.items(), key=lambda item: -(item[1][0] + item[1][1]))
+    found = []
+    for cls, (compute, communication) in ranked[:top]:
+        if compute + communication <= 0:
+            break
+        group = first[cls]
+        node = group.leader
+        if group.is_input:
+            node = group.members[0] if group.members else f"input {group.leader}"
+        found.append(
+            OpGroupCost(
+                description=_describe_group(program, grouping, group),
+                first_node=str(node),
+                count=count[cls],
+                compute_s=compute,
+                communication_s=communication,
+            )
+        )
+    return tuple(found)

@@ -263,7 +263,8 @@ def plan_pipeshard(
     placement = place_stages(parts, ranges)
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
-    stage_plans, latencies, peaks, compute, comm, comm_bytes = [], [], [], 0.0, 0.0, 0.0
+    stage_plans, latencies, peaks = [], [], []
+    compute = comm = comm_bytes = flops = 0.0
     repeated: dict[tuple, Plan] = {}  # identical stages on equal meshes are planned once
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
@@ -290,10 +291,11 @@ def plan_pipeshard(
         )
         latencies.append(p.step_time_s / k)
         peaks.append(peak)
-        compute, comm, comm_bytes = (
+        compute, comm, comm_bytes, flops = (
             compute + p.compute_s,
             comm + p.communication_s,
             comm_bytes + p.communication_bytes,
+            flops + p.flops,
         )
     step = sum(latencies) + (k - 1) * max(latencies)
     elapsed = time.perf_counter() - start_time
@@ -318,6 +320,7 @@ def plan_pipeshard(
             communication_s=comm,
             memory_per_device_bytes=max(peaks),
             communication_bytes=comm_bytes,
+            flops=flops,
         ),
         cluster=cluster.to_dict(),
         input_paths=sig.input_paths,

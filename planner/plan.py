@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 5
 
 
 def replicated(ndim: int) -> Spec:
@@ -109,17 +110,39 @@ class StagePlan:
     layers: tuple[int, int] | None = None  # pipeline stages: the layer range [start, end)
     input_paths: tuple[str, ...] = ()  # pipeline stages: names of input_specs (else the plan's)
     predicted: Predicted | None = None  # pipeline stages: this stage's share of the step
+    op_costs: tuple[OpGroupCost, ...] = ()  # the costliest op groups (ILP plans), costliest first
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Predicted:
-    """Cost-model predictions for one training step, per device."""
+    """Cost-model predictions for one training step, per device; `flops` is the whole step's
+    arithmetic (all devices, all micro-batches, recomputation included), for TFLOP/s and MFU."""
 
     step_time_s: float
     compute_s: float
     communication_s: float
     memory_per_device_bytes: float
     communication_bytes: float = 0.0
+    flops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpGroupCost:
+    """One class of op groups (a heavy op and the cheap ops that follow it; the groups of
+    repeated layers form one class) and its predicted cost per step, per device.
+
+    `description` names the leader op and its shapes, `first_node` the op-graph id of its first
+    group, `count` how many groups the class has (e.g. one per layer)."""
+
+    description: str
+    first_node: str
+    count: int
+    compute_s: float
+    communication_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +163,17 @@ class Plan:
     # How the step was traced for this plan (regather_params, layer_option), so that a plan file
     # can trace the same program again; filled in by `autopar.api`.
     tracing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # What `explain()` needs besides this data (the traced step, the cluster, the options): a
+    # `planner.explain.PlanningContext` attached by `autopar.plan` / `get_plan`. Never
+    # serialised and not part of equality: a plan read from JSON has none.
+    context: Any = dataclasses.field(
+        default=None, compare=False, repr=False, metadata={"json": False}
+    )
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan runs on (over all stages)."""
+        return len({i for stage in self.stages for i in stage.mesh.device_indices})
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (never pickle); `Plan.from_json` reads it back to an equal plan."""
@@ -157,16 +191,38 @@ class Plan:
             )
         return _plan_from_dict(data)
 
-    def summary(self, max_inputs: int = 40) -> str:
-        """A text table: stages, meshes, input shardings and predicted costs."""
+    def summary(self, max_rows: int = 60) -> str:
+        """A text table: stages (sub-meshes, logical meshes, layers) with their predicted
+        compute, communication and memory; how inputs are stored, grouped by layer pattern
+        (at most `max_rows` rows per stage); predicted step time, TFLOP/s per device and MFU."""
         from autopar.planner.summary import plan_summary
 
-        return plan_summary(self, max_inputs=max_inputs)
+        return plan_summary(self, max_rows=max_rows)
+
+    def explain(self) -> Any:
+        """This plan next to DP, ZeRO-2, ZeRO-3, Megatron and pipeline baselines priced by the
+        same cost model, and the op groups that cost it most (`planner.explain.Explanation`;
+        `str()` of it is a table). Needs the planning context that `autopar.plan` and
+        `get_plan` attach; a plan read from JSON has none and raises `InvalidArgumentError`."""
+        from autopar.planner.explain import explain_plan
+
+        return explain_plan(self)
+
+    def draw(self, path: str | os.PathLike[str]) -> None:
+        """Write a PNG (matplotlib, Agg): the device grid coloured by stage and the pipeline
+        schedule as a stage x time timeline with its predicted bubble fraction."""
+        from autopar.planner.draw import draw_plan
+
+        draw_plan(self, path)
 
 
 def _to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: _to_jsonable(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.metadata.get("json", True)
+        }
     if isinstance(value, Mapping):
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
@@ -206,6 +262,7 @@ def _stage_from_dict(d: Mapping[str, Any]) -> StagePlan:
         layers=None if d["layers"] is None else tuple(d["layers"]),
         input_paths=tuple(d["input_paths"]),
         predicted=None if d["predicted"] is None else Predicted(**d["predicted"]),
+        op_costs=tuple(OpGroupCost(**c) for c in d["op_costs"]),
     )
 
 

@@ -1,8 +1,22 @@
-"""Plan.summary(): a text table a person can read in a terminal."""
+"""Plan.summary(): a text table a person can read in a terminal.
+
+Inputs are listed grouped by layer pattern: paths that differ only in the number of a numbered
+dict key (``'block_3'``, ``'layers_12'``, ``'7'``) and are stored alike (same spec and shape)
+share one row, e.g. ``state.params['block_{0..23}']['attn']['query']['kernel']``, so a
+48-layer model takes as many rows as one layer.
+"""
 
 from __future__ import annotations
 
-from autopar.planner.plan import Plan, format_spec
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from autopar.planner.plan import Plan, Predicted, Spec, StagePlan, format_spec
+
+# A numbered dict key in a pytree path: ['block_3'] or ['3'] (not a sequence index like [0]).
+_NUMBERED_KEY = re.compile(r"\['((?:[^'\]]*?_)?)(\d+)'\]")
 
 
 def format_bytes(n: float) -> str:
@@ -14,42 +28,177 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def plan_summary(plan: Plan, max_inputs: int = 40) -> str:
-    """Method, meshes, how each input is stored, and the predicted step cost."""
+def format_ranges(numbers: Iterable[int]) -> str:
+    """Sorted distinct numbers with runs collapsed: ``0..3,5,7..9``."""
+    values = sorted(set(numbers))
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PathGroup:
+    """Paths that differ only in their numbered dict keys, stored with the same spec.
+
+    `pattern` is the path with each number replaced by ``{}``; `numbers[j]` are the numbers seen
+    at placeholder j; `count` how many paths the group holds."""
+
+    pattern: str
+    numbers: tuple[tuple[int, ...], ...]
+    count: int
+    spec: Spec | None
+    shape: tuple[int, ...] | None
+
+    @property
+    def label(self) -> str:
+        """The pattern with its numbers: ``state.params['block_{0..23}']['w']``."""
+        parts = []
+        for found in self.numbers:
+            text = format_ranges(found)
+            parts.append(text if len(found) == 1 else "{" + text + "}")
+        return self.pattern.format(*parts)
+
+
+def group_paths(
+    paths: Sequence[str],
+    specs: Sequence[Spec | None],
+    shapes: Sequence[tuple[int, ...] | None] | None = None,
+) -> list[PathGroup]:
+    """Group `paths` by layer pattern and (spec, shape), in order of first appearance."""
+    shapes = shapes if shapes is not None else [None] * len(paths)
+    order: dict[tuple, list[tuple[int, ...]]] = {}
+    for path, spec, shape in zip(paths, specs, shapes, strict=True):
+        escaped = path.replace("{", "{{").replace("}", "}}")
+        numbers = tuple(int(m.group(2)) for m in _NUMBERED_KEY.finditer(path))
+        pattern = _NUMBERED_KEY.sub(lambda m: f"['{m.group(1)}{{}}']", escaped)
+        order.setdefault((pattern, spec, shape), []).append(numbers)
+    groups = []
+    for (pattern, spec, shape), seen in order.items():
+        columns = tuple(tuple(sorted({n[j] for n in seen})) for j in range(len(seen[0])))
+        groups.append(PathGroup(pattern, columns, len(seen), spec, shape))
+    return groups
+
+
+def _stage_devices(stage: StagePlan, devices_per_host: int) -> tuple[int, int]:
+    """The (hosts, devices per host) of a stage's sub-mesh."""
+    hosts = {i // devices_per_host for i in stage.mesh.device_indices}
+    return len(hosts), stage.mesh.num_devices // max(1, len(hosts))
+
+
+def stage_latencies(plan: Plan) -> list[float]:
+    """Predicted seconds per micro-batch of each stage (one stage: the step's share)."""
+    k = plan.num_micro_batches
+    return [(stage.predicted or plan.predicted).step_time_s / k for stage in plan.stages]
+
+
+def bubble_fraction(plan: Plan) -> float:
+    """The share of device time the pipeline idles: 1 − k·Σ t_i / (S · T) for S stages of
+    t_i seconds per micro-batch, k micro-batches and the predicted step T = Σ t + (k−1)·max t."""
+    latencies = stage_latencies(plan)
+    step = plan.predicted.step_time_s
+    if step <= 0:
+        return 0.0
+    busy = plan.num_micro_batches * sum(latencies)
+    return max(0.0, 1.0 - busy / (len(latencies) * step))
+
+
+def throughput(plan: Plan) -> tuple[float, float] | None:
+    """(FLOP/s per device, model FLOPs utilisation) of the predicted step; None without FLOPs."""
+    p = plan.predicted
+    if p.flops <= 0 or p.step_time_s <= 0 or plan.num_devices == 0:
+        return None
+    per_device = p.flops / p.step_time_s / plan.num_devices
+    peak = float(plan.cluster.get("device_flops", 0.0))
+    return per_device, per_device / peak if peak > 0 else math.nan
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in ns, us, ms or s, with 4 significant digits."""
+    if seconds == 0:
+        return "0 s"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds * 1e9:.4g} ns"
+
+
+_ms = format_seconds
+
+
+def _costs(p: Predicted) -> str:
+    return (
+        f"compute {_ms(p.compute_s)}, communication {_ms(p.communication_s)} "
+        f"({format_bytes(p.communication_bytes)} moved), memory per device "
+        f"{format_bytes(p.memory_per_device_bytes)}"
+    )
+
+
+def _cluster_line(plan: Plan) -> str:
+    c: Mapping = plan.cluster
+    if "num_hosts" not in c:
+        return f"cluster {c.get('name', '?')}"
+    return (
+        f"cluster {c.get('name', '?')} ({c['num_hosts']} host(s) x {c['devices_per_host']} "
+        f"devices, {c['device_flops'] / 1e12:.0f} TFLOP/s and "
+        f"{format_bytes(c['device_memory'])} per device)"
+    )
+
+
+def _stage_lines(plan: Plan, stage: StagePlan, max_rows: int) -> list[str]:
+    dph = int(plan.cluster.get("devices_per_host", stage.mesh.num_devices))
+    hosts, per_host = _stage_devices(stage, dph)
+    mesh = " x ".join(
+        f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True)
+    )
+    layers = "" if stage.layers is None else f"layers [{stage.layers[0]},{stage.layers[1]}) on "
+    lines = [
+        f"stage {stage.index}: {layers}sub-mesh {hosts}x{per_host} (hosts x devices) = devices "
+        f"[{format_ranges(stage.mesh.device_indices)}], logical mesh ({mesh}), "
+        f"{plan.num_micro_batches} micro-batch(es)"
+    ]
+    p = stage.predicted or plan.predicted
+    lines.append(
+        f"  predicted: {_ms(p.step_time_s / plan.num_micro_batches)} per micro-batch; per "
+        f"step {_costs(p)}"
+    )
+    paths = stage.input_paths or plan.input_paths
+    groups = group_paths(paths, stage.input_specs)
+    lines.append(f"  storage of {len(paths)} inputs in {len(groups)} rows:")
+    width = min(90, max((len(g.label) for g in groups[:max_rows]), default=0))
+    for group in groups[:max_rows]:
+        times = f"  x{group.count}" if group.count > 1 else ""
+        lines.append(f"    {group.label:<{width}}  {format_spec(group.spec)}{times}")
+    if len(groups) > max_rows:
+        lines.append(f"    ... and {len(groups) - max_rows} more rows")
+    if stage.reduce_scatter:
+        lines.append(f"  gradients reduce-scattered at {len(stage.reduce_scatter)} node(s)")
+    return lines
+
+
+def plan_summary(plan: Plan, max_rows: int = 60) -> str:
+    """Method, stages (sub-meshes, logical meshes, layers, micro-batches) with their predicted
+    costs, how each input is stored (grouped by layer pattern), and the predicted step: time,
+    TFLOP/s per device and MFU."""
     p = plan.predicted
     lines = [
         f"autopar plan: {plan.method}, {plan.num_micro_batches} micro-batch(es), "
-        f"cluster {plan.cluster.get('name', '?')}"
+        f"{len(plan.stages)} stage(s) on {plan.num_devices} device(s), {_cluster_line(plan)}"
         + (f", {plan.pipeline_schedule} pipeline" if plan.pipeline_schedule else ""),
     ]
     for stage in plan.stages:
-        mesh = " x ".join(
-            f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True)
-        )
-        layers = "" if stage.layers is None else f"layers [{stage.layers[0]},{stage.layers[1]}) "
+        lines.extend(_stage_lines(plan, stage, max_rows))
+    lines.append(f"predicted per step: {_ms(p.step_time_s)}; {_costs(p)}")
+    rate = throughput(plan)
+    if rate is not None:
         lines.append(
-            f"stage {stage.index}: {layers}mesh ({mesh}) on devices "
-            f"{list(stage.mesh.device_indices)}"
+            f"predicted throughput: {p.flops / 1e12:.4g} TFLOP per step, "
+            f"{rate[0] / 1e12:.4g} TFLOP/s per device, MFU {rate[1]:.1%}"
         )
-        if stage.predicted is not None:
-            q = stage.predicted
-            lines.append(
-                f"  predicted: {q.step_time_s / plan.num_micro_batches * 1e3:.3f} ms per "
-                f"micro-batch, memory per device {format_bytes(q.memory_per_device_bytes)}"
-            )
-        paths = stage.input_paths or plan.input_paths
-        width = max((len(path) for path in paths[:max_inputs]), default=0)
-        for path, spec in list(zip(paths, stage.input_specs, strict=True))[:max_inputs]:
-            lines.append(f"  {path:<{width}}  {format_spec(spec)}")
-        if len(paths) > max_inputs:
-            lines.append(f"  ... and {len(paths) - max_inputs} more inputs")
-        if stage.reduce_scatter:
-            lines.append(f"  gradients reduce-scattered at {len(stage.reduce_scatter)} node(s)")
-    lines.append(
-        f"predicted per step: {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
-        f"communication {p.communication_s * 1e3:.3f} ms, "
-        f"{format_bytes(p.communication_bytes)} moved); "
-        f"memory per device {format_bytes(p.memory_per_device_bytes)}"
-    )
+    if plan.pipeline_schedule:
+        lines.append(f"predicted pipeline bubble: {bubble_fraction(plan):.1%} of device time")
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)

@@ -77,6 +77,11 @@ class Executable:
         return jax.tree_util.tree_unflatten(self._out_tree, outs)
 
     @property
+    def flat_input_shardings(self) -> tuple[NamedSharding, ...]:
+        """Sharding of each flattened dynamic argument, in order."""
+        return self._flat_in_shardings
+
+    @property
     def input_shardings(self) -> tuple[Any, ...]:
         """Shardings of the dynamic arguments, as pytrees shaped like them."""
         return jax.tree_util.tree_unflatten(self._in_tree, self._flat_in_shardings)

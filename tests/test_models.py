@@ -7,12 +7,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopar.models import ConvNetConfig, GPTConfig, MLPConfig, convnet, gpt, mlp
+from autopar.models import (
+    ConvNetConfig,
+    GPTConfig,
+    MLPConfig,
+    MoEConfig,
+    WResNetConfig,
+    convnet,
+    gpt,
+    mlp,
+    moe,
+    wresnet,
+)
 
 FAMILIES = [
     pytest.param(mlp, MLPConfig(), id="mlp"),
     pytest.param(gpt, GPTConfig(), id="gpt"),
+    pytest.param(moe, MoEConfig(), id="moe"),
     pytest.param(convnet, ConvNetConfig(), id="convnet"),
+    pytest.param(wresnet, WResNetConfig(), id="wresnet"),
 ]
 BATCH_SIZE = 4
 
@@ -35,6 +48,12 @@ def test_param_count_matches_init(family, config):
         pytest.param(mlp, MLPConfig(num_layers=4, hidden=24), id="mlp-4layers"),
         pytest.param(gpt, GPTConfig(num_layers=3, hidden=48, num_heads=6, mlp_ratio=2), id="gpt"),
         pytest.param(convnet, ConvNetConfig(channels=5, in_channels=1), id="convnet"),
+        pytest.param(moe, MoEConfig(num_layers=3, num_experts=3, mlp_ratio=2), id="moe-3layers"),
+        pytest.param(
+            wresnet,
+            WResNetConfig(channels=3, width_factor=3, stage_sizes=(2, 1, 1), in_channels=1),
+            id="wresnet-3stages",
+        ),
     ],
 )
 def test_param_count_matches_init_other_sizes(family, config):
@@ -73,7 +92,8 @@ def test_jitted_steps_reduce_loss_with_the_given_grad_fn(family, config):
     assert np.all(np.isfinite(losses)), losses
     assert losses[-1] < losses[0], losses
     assert int(state.step) == 3
-    assert has_aux_calls == [family is convnet]  # traced once; aux only for batch_stats
+    # Traced once; aux for BatchNorm's batch_stats and for MoE's balancing loss.
+    assert has_aux_calls == [family in (convnet, wresnet, moe)]
 
 
 def test_batch_shapes_and_dtypes():

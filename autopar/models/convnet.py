@@ -1,7 +1,7 @@
 """A small convolutional classifier with BatchNorm: the family that carries non-parameter state.
 
 BatchNorm's running statistics live in the ``"batch_stats"`` collection and are updated by the
-train step, so a planner must handle state that changes every step but has no gradient.
+train step (see `autopar.models.vision`, whose batches, train state and step this family uses).
 
 Example::
 
@@ -13,16 +13,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from flax.training.train_state import TrainState
 
-from autopar.models.common import Batch, GradFn, Metrics, TrainStep, dense_param_count
+from autopar.models import vision
+from autopar.models.common import dense_param_count
+from autopar.models.vision import BatchNormTrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +31,6 @@ class ConvNetConfig:
     channels: int = 8
     num_classes: int = 10
     in_channels: int = 3
-
-
-class ConvNetTrainState(TrainState):
-    """`TrainState` plus BatchNorm running statistics, which are updated but not differentiated."""
-
-    batch_stats: Any = None
 
 
 class ConvNet(nn.Module):
@@ -58,53 +50,18 @@ class ConvNet(nn.Module):
         return nn.Dense(self.config.num_classes, name="head")(x)
 
 
-def make_batch(config: ConvNetConfig, batch_size: int, *, seed: int = 0) -> Batch:
-    """Images ``~ N(0, 1)`` in NHWC layout and uniformly random integer labels."""
-    rng = np.random.default_rng(seed)
-    shape = (batch_size, config.image_size, config.image_size, config.in_channels)
-    images = rng.standard_normal(shape, dtype=np.float32)
-    labels = rng.integers(0, config.num_classes, (batch_size,), dtype=np.int32)
-    return {"images": images, "labels": labels}
-
-
 def create_train_state(
     config: ConvNetConfig, *, batch_size: int = 1, learning_rate: float = 1e-3, seed: int = 0
-) -> ConvNetTrainState:
+) -> BatchNormTrainState:
     """Initialise parameters, BatchNorm statistics (mean 0, variance 1) and AdamW."""
-    model = ConvNet(config)
-    shape = (batch_size, config.image_size, config.image_size, config.in_channels)
-    variables = model.init(jax.random.key(seed), jnp.zeros(shape, jnp.float32), train=False)
-    return ConvNetTrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        batch_stats=variables["batch_stats"],
-        tx=optax.adamw(learning_rate),
+    return vision.create_train_state(
+        ConvNet(config), config, batch_size=batch_size, learning_rate=learning_rate, seed=seed
     )
 
 
-def make_train_step(grad_fn: GradFn = jax.value_and_grad) -> TrainStep:
-    """Build the cross-entropy train step around `grad_fn` (jax's or autopar's).
-
-    The loss returns the new BatchNorm statistics as aux (``has_aux=True``), so they leave the
-    gradient computation alongside the loss and are stored in the new state.
-    """
-
-    def train_step(state: ConvNetTrainState, batch: Batch) -> tuple[ConvNetTrainState, Metrics]:
-        def loss_fn(params):
-            variables = {"params": params, "batch_stats": state.batch_stats}
-            logits, updates = state.apply_fn(
-                variables, batch["images"], train=True, mutable=["batch_stats"]
-            )
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-            return losses.mean(), updates["batch_stats"]
-
-        (loss, batch_stats), grads = grad_fn(loss_fn, has_aux=True)(state.params)
-        new_state = state.apply_gradients(grads=grads).replace(batch_stats=batch_stats)
-        return new_state, {"loss": loss}
-
-    return train_step
-
-
+# Batches and the step are the image classifiers' shared ones.
+make_batch = vision.make_batch
+make_train_step = vision.make_train_step
 train_step = make_train_step()
 
 

@@ -113,6 +113,24 @@ class Block(nn.Module):
         return x + nn.Dense(c.hidden, dtype=c.dtype, name="fc_out")(h)
 
 
+def embed_tokens(module: nn.Module, config: GPTConfig, tokens: jax.Array) -> jax.Array:
+    """Token + learned position embeddings, created as `module`'s ``wte`` and ``wpe``.
+
+    Call it inside `module`'s compact ``__call__`` (decoders built on GPT's pieces share it).
+    """
+    c = config
+    init = nn.initializers.normal(0.02)
+    wte = nn.Embed(c.vocab_size, c.hidden, embedding_init=init, dtype=c.dtype, name="wte")
+    pos = module.param("wpe", init, (c.seq_len, c.hidden))
+    return wte(tokens) + pos[: tokens.shape[1]].astype(c.dtype)
+
+
+def lm_logits(config: GPTConfig, x: jax.Array) -> jax.Array:
+    """Final LayerNorm ``ln_f`` and the untied LM head ``lm_head``; inside a compact method."""
+    x = nn.LayerNorm(dtype=config.dtype, name="ln_f")(x)
+    return nn.Dense(config.vocab_size, use_bias=False, dtype=config.dtype, name="lm_head")(x)
+
+
 class GPT(nn.Module):
     """Token + learned position embeddings, `num_layers` blocks, final LayerNorm, untied LM head."""
 
@@ -121,17 +139,12 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        init = nn.initializers.normal(0.02)
-        wte = nn.Embed(c.vocab_size, c.hidden, embedding_init=init, dtype=c.dtype, name="wte")
-        pos = self.param("wpe", init, (c.seq_len, c.hidden))
-        x = wte(tokens)
-        x = x + pos[: tokens.shape[1]].astype(c.dtype)
+        x = embed_tokens(self, c, tokens)
         for i in range(c.num_layers):
             if c.pipeline_boundaries and i > 0:
                 mark_pipeline_boundary()
             x = Block(c, name=f"block_{i}")(x)
-        x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
-        return nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, name="lm_head")(x)
+        return lm_logits(c, x)
 
 
 def make_batch(config: GPTConfig, batch_size: int, *, seed: int = 0) -> Batch:

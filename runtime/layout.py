@@ -1,0 +1,248 @@
+"""What a pipelined step runs where, without devices: stage programs cut into segments, in order.
+
+Each stage's program (`planner.pipeline.StageProgram`) is cut into *segments*: forward (once per
+micro-batch), backward (once per micro-batch, adding the stage's gradients into accumulators; the
+last micro-batch turns them into means) and apply (once per step, after every backward). A
+segment reads and writes variables of the step's jaxpr; a value a stage reads from another stage
+(an activation, a cotangent, a parameter used on two stages) has to be moved there first.
+
+The apply part of a stage may need results of another stage's apply (e.g. a global gradient
+norm): apply segments run in *levels*, level l+1 after every segment of level l.
+
+`PipelineLayout` is built the same way by every process from the same traced step and plan —
+the driver and each Ray mesh worker — so variables are named across processes by `var_id`.
+`run_step` walks the schedule's clock table once for every executor; a `StepBackend` says how
+the executor runs a segment and moves a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from jax.extend.core import JaxprEqn, Literal, Var
+
+from autopar.planner.pipeline import StagePlacement, StageProgram, place_stages, split_step
+from autopar.planner.pipeline import stage_program as build_stage_program
+from autopar.planner.plan import Plan
+from autopar.runtime.interpreter import free_vars
+from autopar.runtime.schedules import Schedule, TaskKind, make_schedule
+from autopar.tracing import TracedStep
+
+HOST = -1  # the "stage" of values the caller passed in
+
+Key = tuple[Var, int | None]  # a variable for one micro-batch, or for the whole step (None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A piece of one stage run as one jitted call: reads `reads`, writes `writes`."""
+
+    stage: int
+    kind: TaskKind
+    level: int | None  # apply segments: their level; else None
+    eqns: tuple[tuple[str, JaxprEqn], ...]
+    reads: tuple[Var, ...]
+    writes: tuple[Var, ...]
+
+    @property
+    def name(self) -> str:
+        level = "" if self.level is None else str(self.level)
+        return f"stage{self.stage}.{self.kind.value}{level}"
+
+
+class PipelineLayout:
+    """A pipeshard plan's stages as segments over the step's variables (module docstring)."""
+
+    def __init__(self, traced: TracedStep, plan: Plan) -> None:
+        if plan.pipeline_schedule is None:
+            raise ValueError("PipelineLayout lays out pipelined plans (plan.pipeline_schedule)")
+        self.traced = traced
+        self.plan = plan
+        self.num_micro_batches = plan.num_micro_batches
+        signature = traced.program.signature
+        parts = split_step(traced.closed_jaxpr, signature.batch_inputs)
+        self.placement: StagePlacement = place_stages(parts, [s.layers for s in plan.stages])
+        self.schedule: Schedule = make_schedule(
+            plan.pipeline_schedule, len(plan.stages), self.num_micro_batches
+        )
+        self.programs: tuple[StageProgram, ...] = tuple(
+            build_stage_program(parts, self.placement, s, signature)
+            for s in range(len(plan.stages))
+        )
+        jaxpr = traced.closed_jaxpr.jaxpr
+        self.batch_vars = frozenset(jaxpr.invars[i] for i in signature.batch_inputs)
+        self.segments: dict[tuple[int, TaskKind, int | None], Segment] = {}
+        self._cut_segments(parts)
+        self.readers = self._count_readers()
+        top = [*jaxpr.invars, *jaxpr.constvars, *(v for e in jaxpr.eqns for v in e.outvars)]
+        self.var_id: dict[Var, int] = {v: n for n, v in enumerate(dict.fromkeys(top))}
+        self.var_of: dict[int, Var] = {n: v for v, n in self.var_id.items()}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.programs)
+
+    def segment(self, stage: int, kind: TaskKind, level: int | None = None) -> Segment:
+        return self.segments[stage, kind, level]
+
+    def apply_levels(self) -> list[int]:
+        return sorted({lv for (_, kind, lv) in self.segments if kind is TaskKind.APPLY})
+
+    def tasks(self) -> Iterator[tuple[Segment, int | None]]:
+        """(segment, micro-batch) in the order every executor dispatches them: the schedule's
+        compute clocks, then the apply clock level by level."""
+        for row in self.schedule.clocks:
+            for task in row:
+                if task is not None and task.kind is not TaskKind.APPLY:
+                    yield self.segment(task.stage, task.kind), task.micro_batch
+        for level in self.apply_levels():
+            for s in range(self.num_stages):
+                if (s, TaskKind.APPLY, level) in self.segments:
+                    yield self.segment(s, TaskKind.APPLY, level), None
+
+    def writes_of(self, segment: Segment, micro_batch: int | None) -> list[Key]:
+        """The keys a task defines: its writes, plus the gradient means after the last backward."""
+        keys: list[Key] = [(v, micro_batch) for v in segment.writes]
+        if segment.kind is TaskKind.BACKWARD and micro_batch == self.num_micro_batches - 1:
+            keys += [(v, None) for v in self.programs[segment.stage].means]
+        return keys
+
+    # ------------------------------------------------------------------ building
+
+    def _cut_segments(self, parts) -> None:
+        step_outputs = self.traced.closed_jaxpr.jaxpr.outvars
+        outputs = {
+            v
+            for v, s in zip(step_outputs, self.placement.output_stage, strict=True)
+            if s is not None and isinstance(v, Var)
+        }
+        levels = self._apply_levels(parts)
+        pieces: list[tuple[StageProgram, TaskKind, int | None, list]] = []
+        for prog in self.programs:
+            pieces.append((prog, TaskKind.FORWARD, None, prog.part("forward")))
+            pieces.append((prog, TaskKind.BACKWARD, None, prog.part("backward")))
+            apply = prog.part("apply")
+            for level in sorted(set(levels[prog.index])):
+                eqns = [pe for pe, lv in zip(apply, levels[prog.index], strict=True) if lv == level]
+                pieces.append((prog, TaskKind.APPLY, level, eqns))
+        reads = []
+        for prog, kind, _, eqns in pieces:
+            r = free_vars(eqns)
+            if kind is TaskKind.BACKWARD:
+                inner = {x for _, e in eqns for x in e.outvars}
+                r += [g for g in prog.grads if isinstance(g, Var) and g not in r]
+                r = [v for v in r if v not in inner]
+            reads.append(r)
+        for n, (prog, kind, level, eqns) in enumerate(pieces):
+            defined = [v for _, e in eqns for v in e.outvars]
+            elsewhere = {v for m, r in enumerate(reads) if m != n for v in r}
+            writes = [v for v in dict.fromkeys(defined) if v in elsewhere or v in outputs]
+            self.segments[prog.index, kind, level] = Segment(
+                prog.index, kind, level, tuple(eqns), tuple(reads[n]), tuple(writes)
+            )
+
+    def _apply_levels(self, parts) -> list[list[int]]:
+        """Per stage, the level of each apply eqn: one more than any other stage's apply result
+        it reads (see the module docstring)."""
+        eqns = parts.closed.jaxpr.eqns
+        placement = self.placement
+        level_of: dict[tuple[int, Var], int] = {}
+        made_by: dict[Var, list[int]] = {}
+        runs = [set(a) for a in placement.apply]
+        for i in parts.apply:
+            for s in range(placement.num_stages):
+                if i not in runs[s]:
+                    continue
+                level = 0
+                for v in eqns[i].invars:
+                    if not isinstance(v, Var):
+                        continue
+                    if (s, v) in level_of:
+                        level = max(level, level_of[s, v])
+                    elif v in made_by:
+                        level = max(level, 1 + max(level_of[t, v] for t in made_by[v]))
+                for v in eqns[i].outvars:
+                    level_of[s, v] = level
+                    made_by.setdefault(v, []).append(s)
+        return [
+            [level_of[s, e.outvars[0]] if e.outvars else 0 for _, e in prog.part("apply")]
+            for s, prog in enumerate(self.programs)
+        ]
+
+    def _count_readers(self) -> dict[Var, int]:
+        """How many per-micro-batch tasks read each variable (to free it after the last one)."""
+        counts: dict[Var, int] = {}
+        for s in range(self.num_stages):
+            for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+                for v in self.segment(s, kind).reads:
+                    counts[v] = counts.get(v, 0) + 1
+        return counts
+
+
+class StepBackend(Protocol):
+    """How an executor holds values and runs segments; `run_step` decides what and when."""
+
+    def place_input(self, key: Key, value: Any, stage: int) -> None:
+        """Make a value the caller passed in (or one slice of it) available on `stage`."""
+
+    def copy(self, key: Key, source: int, target: int) -> None:
+        """Make the value `key` held by stage `source` available on stage `target`."""
+
+    def run(self, segment: Segment, micro_batch: int | None) -> None:
+        """Run a task: its reads are available on its stage; it defines `writes_of` there."""
+
+    def free(self, key: Key, stages: Sequence[int]) -> None:
+        """No task reads `key` any more: drop it on `stages`."""
+
+
+def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) -> dict[Var, int]:
+    """Run one step of `layout` on `backend` from the flattened dynamic arguments.
+
+    Batch inputs are cut into micro-batches on the host (micro-batch j: rows j, j+k, ..., as in
+    `runtime.accumulate`); every value is moved at most once to each stage that reads it and
+    freed after its last reader. Returns, per step output variable, the stage that holds it.
+    """
+    jaxpr = layout.traced.closed_jaxpr.jaxpr
+    k = layout.num_micro_batches
+    inputs: dict[Key, Any] = {}
+    for v, x in zip(jaxpr.invars, flat, strict=True):
+        if v in layout.batch_vars:
+            host = np.asarray(x)
+            inputs.update({(v, j): host[j::k] for j in range(k)})
+        else:
+            inputs[v, None] = x
+    where: dict[Key, set[int]] = {key: {HOST} for key in inputs}
+    remaining: dict[Key, int] = {}
+    for segment, j in layout.tasks():
+        s = segment.stage
+        for v in segment.reads:
+            key = (v, j) if (v, j) in where else (v, None)
+            holders = where[key]
+            if s not in holders:
+                if HOST in holders:
+                    backend.place_input(key, inputs[key], s)
+                else:
+                    backend.copy(key, min(holders), s)
+                holders.add(s)
+        backend.run(segment, j)
+        for key in layout.writes_of(segment, j):
+            where[key] = {s}
+        if j is None:
+            continue
+        for v in segment.reads:
+            key = (v, j)
+            if key not in where:
+                continue
+            left = remaining.get(key, layout.readers.get(v, 1)) - 1
+            remaining[key] = left
+            if left == 0:
+                backend.free(key, sorted(where.pop(key) - {HOST}))
+    found = {}
+    for v, s in zip(jaxpr.outvars, layout.placement.output_stage, strict=True):
+        if not isinstance(v, Literal):
+            holders = where[v, None]
+            found[v] = s if s is not None else (HOST if HOST in holders else min(holders))
+    return found

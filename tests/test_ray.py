@@ -1,0 +1,175 @@
+"""The Ray runtime on a local Ray instance: mesh workers simulating CPU devices, a pipeline over
+two workers, one SPMD stage mesh over two worker processes, failures and cleanup.
+
+The module starts one Ray instance (2 CPUs, no dashboard) and shuts it down at the end; each test
+opens and closes its own autopar runtime on it.
+"""
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import ray
+import ray._private.state
+from conftest import relative_error, serial_state
+
+import autopar
+from autopar.models import GPTConfig, MLPConfig, gpt, mlp
+from autopar.runtime.ray import RemoteArray, StageFailedError, StepTimeoutError
+
+BATCH = 32
+STEPS = 3
+GPT = GPTConfig(num_layers=4)
+# ray.init starts its processes with fork+exec while jax's threads run; exec makes that safe.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+MLP = MLPConfig(in_dim=32, hidden=32, out_dim=32, num_layers=4)
+
+
+def _alive_actors() -> list[str]:
+    """Actors Ray's control store (GCS) lists as alive."""
+    return [k for k, v in ray._private.state.actors().items() if v["State"] == "ALIVE"]
+
+
+def _pipeline(stages: int = 2) -> autopar.PipeshardParallel:
+    return autopar.PipeshardParallel(
+        num_micro_batches=4,
+        layer_option=autopar.AutoLayerOption(layer_num=4),
+        stage_option=autopar.UniformStageOption(stages),
+    )
+
+
+def _two_hosts_of_two() -> autopar.ClusterSpec:
+    return dataclasses.replace(autopar.ClusterSpec.local(2), num_hosts=2, name="2x2-cpu")
+
+
+def _train(module, config, method, steps: int = STEPS):
+    step = autopar.parallelize(module.make_train_step(autopar.value_and_grad), method=method)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, BATCH)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    return step, state, metrics, batch
+
+
+def test_unreachable_address_is_a_clear_error():
+    assert not ray.is_initialized()
+    with pytest.raises(
+        autopar.InvalidArgumentError, match=r"no Ray cluster answers.*127\.0\.0\.1:9"
+    ):
+        autopar.init("ray", address="127.0.0.1:9")
+    with pytest.raises(autopar.InvalidArgumentError, match="is not 'auto' or host:port"):
+        autopar.init("ray", address="nowhere")
+    assert not ray.is_initialized()
+    autopar.init("local")  # nothing was left half-initialised
+    autopar.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def on_ray(local_ray):
+    """Run the test body on an autopar Ray runtime; `on_ray(spec, **init_kwargs)` opens it."""
+    opened = []
+
+    def open_runtime(cluster_spec=None, **kwargs):
+        autopar.init("ray", cluster_spec=cluster_spec, **kwargs)
+        opened.append(True)
+
+    yield open_runtime
+    if opened:
+        autopar.shutdown()
+    assert _alive_actors() == []
+
+
+def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
+    _, local_state, _, _ = _train(gpt, GPT, _pipeline())  # before init: the local executor
+    on_ray(autopar.ClusterSpec.local(8))
+    step, state, metrics, batch = _train(gpt, GPT, _pipeline())
+    executable = step.get_executable(state, batch)
+    assert [len(a) for a in executable.actors] == [1, 1]  # one worker per stage (one host)
+    leaves = jax.tree.leaves(state.params)
+    assert all(isinstance(x, RemoteArray) for x in leaves)
+    assert {x.stage for x in leaves} == {0, 1}  # parameters stay on their stage's worker
+    params = jax.tree.map(np.asarray, state.params)
+    assert relative_error(params, serial_state(gpt, GPT, BATCH, STEPS).params) <= 1e-5
+    assert relative_error(params, local_state.params) <= 1e-5
+    assert np.isfinite(np.asarray(metrics["loss"]))
+    tasks = executable.timeline()
+    assert {(s, name.split(".")[1]) for s, name, *_ in tasks} >= {
+        (0, "forward"),
+        (0, "backward"),
+        (1, "forward"),
+        (1, "backward"),
+    }
+    assert len(_alive_actors()) == 2
+
+
+def test_stage_mesh_spanning_two_workers_is_one_spmd_program(on_ray):
+    on_ray(_two_hosts_of_two())
+    config = GPTConfig(num_layers=2)
+    step, state, _, batch = _train(gpt, config, autopar.ShardParallel())
+    plan = step.get_plan(state, batch)
+    assert plan.stages[0].mesh.shape == (2, 2)  # (hosts, devices per host)
+    executable = step.get_executable(state, batch)
+    assert executable.hosts == [[0, 1]]  # one mesh, two worker processes
+    params = jax.tree.map(np.asarray, state.params)
+    assert relative_error(params, serial_state(gpt, config, BATCH, STEPS).params) <= 1e-5
+    assert executable.collectives()["all-reduce"]  # gradients reduced across the processes
+
+
+def test_killed_worker_names_its_stage_within_60s(on_ray):
+    on_ray(autopar.ClusterSpec.local(8))
+    step = autopar.parallelize(mlp.make_train_step(autopar.value_and_grad), method=_pipeline())
+    state = mlp.create_train_state(MLP, batch_size=2)
+    batch = mlp.make_batch(MLP, BATCH)
+    errors = []
+
+    def first_step():
+        try:
+            step(state, batch)
+        except Exception as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    runner = threading.Thread(target=first_step)
+    runner.start()
+    while not step._executables and runner.is_alive():  # the workers are built: compiling now
+        time.sleep(0.01)
+    executable = next(iter(step._executables.values()))
+    killed = time.monotonic()
+    ray.kill(executable.actors[1][0])
+    runner.join(timeout=90)
+    assert not runner.is_alive()
+    assert time.monotonic() - killed < 60
+    assert len(errors) == 1 and isinstance(errors[0], StageFailedError)
+    assert "stage 1 (host 0)" in str(errors[0]) and "worker died" in str(errors[0])
+    with pytest.raises(autopar.RemoteError, match="cannot run: stage 1"):
+        step(state, batch)
+
+
+def test_step_over_its_timeout_is_an_error(on_ray):
+    on_ray(autopar.ClusterSpec.local(8), step_timeout_s=0.2)
+    step = autopar.parallelize(mlp.make_train_step(autopar.value_and_grad), method=_pipeline())
+    state = mlp.create_train_state(MLP, batch_size=2)
+    with pytest.raises(StepTimeoutError, match=r"step_timeout_s=0.2 s: stage \d \(host 0\)"):
+        step(state, mlp.make_batch(MLP, BATCH))
+
+
+def test_init_twice_and_bad_arguments(on_ray):
+    with pytest.raises(autopar.InvalidArgumentError, match="step_timeout_s must be a positive"):
+        autopar.init("ray", step_timeout_s=0)
+    with pytest.raises(autopar.InvalidArgumentError, match="num_devices=3 differs"):
+        autopar.init("ray", cluster_spec=autopar.ClusterSpec.local(8), num_devices=3)
+    with pytest.raises(autopar.InvalidArgumentError, match="step_timeout_s=5 has no meaning"):
+        autopar.init("local", step_timeout_s=5)
+    on_ray(autopar.ClusterSpec.local(8))
+    with pytest.raises(autopar.InvalidArgumentError, match="already called.*'ray'"):
+        autopar.init("ray")
