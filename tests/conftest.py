@@ -27,6 +27,18 @@ def serial_state(module, config, batch_size: int, steps: int):
     return state
 
 
+def parallel_steps(module, config, method, batch_size: int, steps: int):
+    """`steps` steps of `module`'s train step parallelized by `method` (gradients through
+    `autopar.value_and_grad`) from the same initial state as `serial_state`.
+    Returns (step, state, metrics, batch)."""
+    step = autopar.parallelize(module.make_train_step(autopar.value_and_grad), method=method)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, batch_size)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    return step, state, metrics, batch
+
+
 def relative_error(actual, expected) -> float:
     """Largest, over leaves, of ||a - e|| / ||e|| (absolute where the expected leaf is zero)."""
     worst = 0.0

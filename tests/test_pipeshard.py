@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import relative_error, serial_state
+from conftest import parallel_steps, relative_error, serial_state
 
 import autopar
 from autopar.api import trace_for_method
@@ -40,13 +40,7 @@ def serial_params(family: str):
 
 
 def _run(family: str, method, manual_layers: bool = False, steps: int = STEPS):
-    module, config = _config(family, manual_layers)
-    step = autopar.parallelize(module.make_train_step(autopar.value_and_grad), method=method)
-    state = module.create_train_state(config, batch_size=2)
-    batch = module.make_batch(config, BATCH)
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    return step, state, metrics, batch
+    return parallel_steps(*_config(family, manual_layers), method, BATCH, steps)
 
 
 def _method(stages: int, schedule: str, layers: str, **kwargs):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import ray
 import ray._private.state
-from conftest import relative_error, serial_state
+from conftest import parallel_steps, relative_error, serial_state
 
 import autopar
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
@@ -44,15 +44,6 @@ def _pipeline(stages: int = 2) -> autopar.PipeshardParallel:
 
 def _two_hosts_of_two() -> autopar.ClusterSpec:
     return dataclasses.replace(autopar.ClusterSpec.local(2), num_hosts=2, name="2x2-cpu")
-
-
-def _train(module, config, method, steps: int = STEPS):
-    step = autopar.parallelize(module.make_train_step(autopar.value_and_grad), method=method)
-    state = module.create_train_state(config, batch_size=2)
-    batch = module.make_batch(config, BATCH)
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    return step, state, metrics, batch
 
 
 def test_unreachable_address_is_a_clear_error():
@@ -91,9 +82,10 @@ def on_ray(local_ray):
 
 
 def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
-    _, local_state, _, _ = _train(gpt, GPT, _pipeline())  # before init: the local executor
+    # Before init: the local executor.
+    _, local_state, _, _ = parallel_steps(gpt, GPT, _pipeline(), BATCH, STEPS)
     on_ray(autopar.ClusterSpec.local(8))
-    step, state, metrics, batch = _train(gpt, GPT, _pipeline())
+    step, state, metrics, batch = parallel_steps(gpt, GPT, _pipeline(), BATCH, STEPS)
     executable = step.get_executable(state, batch)
     assert [len(a) for a in executable.actors] == [1, 1]  # one worker per stage (one host)
     leaves = jax.tree.leaves(state.params)
@@ -116,7 +108,7 @@ def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
 def test_stage_mesh_spanning_two_workers_is_one_spmd_program(on_ray):
     on_ray(_two_hosts_of_two())
     config = GPTConfig(num_layers=2)
-    step, state, _, batch = _train(gpt, config, autopar.ShardParallel())
+    step, state, _, batch = parallel_steps(gpt, config, autopar.ShardParallel(), BATCH, STEPS)
     plan = step.get_plan(state, batch)
     assert plan.stages[0].mesh.shape == (2, 2)  # (hosts, devices per host)
     executable = step.get_executable(state, batch)
