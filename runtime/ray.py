@@ -408,6 +408,12 @@ class RayExecutable:
                     if isinstance(error, ray.exceptions.RayActorError)
                     else f"it raised {_first_line(error)}"
                 )
+                if "ModuleNotFoundError" in reason:
+                    reason += (
+                        " (the workers import the module that defines the step: install it "
+                        "there, ship it with ray.init(runtime_env={'py_modules': [...]}), or "
+                        "define the step in the script you run)"
+                    )
                 self._broken = (
                     f"stage {call.stage} (host {call.host}) failed during {what} "
                     f"({call.what}): {reason}"
@@ -483,14 +489,13 @@ class _RayBackend:
 
     def _place_value(self, vid: int, micro_batch: int | None, value: Any, stage: int) -> None:
         if isinstance(value, RemoteArray):
-            if value._executable is not self.ex:
-                raise InvalidArgumentError(
-                    f"{value!r} belongs to another executable; fetch it with np.asarray first"
-                )
-            if value.stage == stage:
+            if value._executable is self.ex and value.stage == stage:
                 self._submit(stage, "placing an input", "place_kept", vid, micro_batch, value.name)
                 return
-            refs = [a.export_kept.remote(value.name) for a in self.ex.actors[value.stage]]
+            # Another stage's, or another step's (an eval step reading the train state):
+            # worker to worker through the object store.
+            holders = value._executable.actors[value.stage]
+            refs = [a.export_kept.remote(value.name) for a in holders]
             self._submit(stage, "placing an input", "place", vid, micro_batch, *refs)
             return
         ref = self._host_refs.get(id(value))

@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 import ray
 import ray._private.state
@@ -114,8 +115,18 @@ def test_stage_mesh_spanning_two_workers_is_one_spmd_program(on_ray):
     executable = step.get_executable(state, batch)
     assert executable.hosts == [[0, 1]]  # one mesh, two worker processes
     params = jax.tree.map(np.asarray, state.params)
-    assert relative_error(params, serial_state(gpt, config, BATCH, STEPS).params) <= 1e-5
+    serial = serial_state(gpt, config, BATCH, STEPS)
+    assert relative_error(params, serial.params) <= 1e-5
     assert executable.collectives()["all-reduce"]  # gradients reduced across the processes
+    # An eval step reads the train state where it lives: RemoteArrays of another executable.
+    # (Defined here, so that it is pickled by value: the workers cannot import this module.)
+    def _eval_loss(state, batch):
+        logits = state.apply_fn({"params": state.params}, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    eval_step = autopar.parallelize(_eval_loss, method=autopar.FollowParallel(step))
+    loss = eval_step(state, batch)
+    assert relative_error(np.asarray(loss), jax.jit(_eval_loss)(serial, batch)) <= 1e-5
 
 
 def test_killed_worker_names_its_stage_within_60s(on_ray):
