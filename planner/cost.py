@@ -278,6 +278,9 @@ def result_bytes(mesh: LogicalMesh, kind: Collective, num_bytes: float, axes) ->
     `num_bytes` is what the cost formulas take: the buffer for all-reduce and all-to-all, the
     gathered size for all-gather, the input size for reduce-scatter (whose result is 1/n of it).
     """
+    n = math.prod(mesh.axis_size(a) for a in axes)
+    if n == 1:  # over one device: XLA emits no collective
+        return 0.0
     if kind is Collective.REDUCE_SCATTER:
-        return num_bytes / math.prod(mesh.axis_size(a) for a in axes)
+        return num_bytes / n
     return num_bytes

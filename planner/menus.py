@@ -231,9 +231,11 @@ class MenuBuilder:
 
     def _partial_sum_cost(self, node: OpNode, s: Strategy) -> tuple[float, float]:
         out = node.out_avals[0]
+        n = split_size(self.mesh, s.partial_axes)
+        if n == 1:  # a sum over one device: nothing to reduce
+            return 0.0, 0.0
         nbytes = self.spec_bytes(out.shape, out.dtype.itemsize, s.out_specs[0])
         if s.reduce_scatters:
-            n = split_size(self.mesh, s.partial_axes)
             cost = self.mesh.collective_cost(Collective.REDUCE_SCATTER, nbytes * n, s.partial_axes)
         else:
             cost = self.mesh.collective_cost(Collective.ALL_REDUCE, nbytes, s.partial_axes)

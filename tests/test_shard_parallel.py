@@ -333,3 +333,11 @@ def test_bad_method_arguments_are_rejected():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("a", "b", "c"))
     with pytest.raises(autopar.InvalidArgumentError, match="1D or 2D"):
         autopar.ShardParallel(devices=mesh)
+
+
+def test_one_device_plans_move_no_bytes():
+    """Splits over a mesh of one device are no splits: no collective, no bytes, no time."""
+    step_fn, params, batch = _mlp(8, 1024, 4096)
+    plan = autopar.plan(step_fn, params, batch, cluster_spec=autopar.ClusterSpec.local(1))
+    assert plan.predicted.communication_bytes == 0
+    assert plan.predicted.communication_s == 0
