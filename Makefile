@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-pipeline: $(STAMP)
 
 bench-ray: $(STAMP)
 	$(VENV)/bin/python benchmarks/ray_pipeline.py
+
+bench-suite: $(STAMP)
+	$(VENV)/bin/python benchmarks/run.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

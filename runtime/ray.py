@@ -97,12 +97,7 @@ class RayCluster:
             if address not in (None, "auto"):
                 _check_reachable(address)
             try:
-                ray.init(
-                    address=address,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    **({} if address else {"num_cpus": 2}),
-                )
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
             except ConnectionError as e:
                 raise InvalidArgumentError(
                     f"cannot connect to a Ray cluster at address={address!r}: {e}"
