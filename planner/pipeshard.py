@@ -3,7 +3,8 @@
 1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
 2. Every layer is planned alone by the ILP on every candidate logical mesh (cost-model mode):
    its predicted time per micro-batch, its state and its stashed activations, for its fastest
-   plan and for plans squeezed into less memory (alternatives). Layers with the same structure
+   plan and, where a stage's fastest plan may not fit, plans squeezed into less memory
+   (alternatives). Layers with the same structure
    (repeated transformer blocks) are planned once per mesh, and meshes that differ only in the
    order of equal axes once. A candidate stage costs the sum of its layers' times, state and
    stashed activations plus the largest of their temporaries, one alternative per squeeze
@@ -133,8 +134,24 @@ class PipelineConfig:
     intra: IntraOpConfig
 
 
+@dataclasses.dataclass
+class _LayerPlans:
+    """One layer's plans on one mesh kind so far: the fastest first, then squeezed ones."""
+
+    stage: StageProgram
+    problem: ShardingProblem
+    found: list[LayerCost]
+    budget: float
+    exhausted: bool = False
+
+
 class LayerCosts:
-    """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh kind."""
+    """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh kind.
+
+    Squeezed alternatives are planned only for a stage whose fastest plan does not fit with as
+    many micro-batches in flight as it could ever hold (one per layer after it, plus its own):
+    elsewhere the DP would never pick them, since it takes the fastest alternative that fits.
+    """
 
     def __init__(
         self,
@@ -148,7 +165,7 @@ class LayerCosts:
         self.num_devices = num_devices
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
-        self._costs: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
 
     def layer_program(self, layer: int) -> StageProgram:
@@ -158,62 +175,73 @@ class LayerCosts:
             )
         return self._programs[layer]
 
-    def layer_costs(self, layer: int, logical: tuple) -> tuple[LayerCost, ...]:
+    def layer_costs(
+        self, layer: int, logical: tuple, levels: int = MAX_ALTERNATIVES
+    ) -> tuple[LayerCost, ...]:
         """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
-        plans squeezed into at most SQUEEZE of the previous one's peak, until the ILP finds none
-        (empty: the layer never fits). They depend on the mesh's axes, not on which devices."""
+        (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak,
+        until the ILP finds none (empty: the layer never fits). They depend on the mesh's axes,
+        not on which devices."""
         stage = self.layer_program(layer)
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
         axes = logical_mesh(self.cluster, mesh.shape, mesh.axis_names)
         # Axes of equal size and links can be swapped without changing any cost.
         kind = tuple(sorted(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True)))
         key = (stage.program.fingerprint, kind)
-        if key not in self._costs:
-            self._costs[key] = self._plan_costs(stage, mesh)
-        return self._costs[key]
+        if key not in self._plans:
+            k = self.config.num_micro_batches
+            problem = ShardingProblem(stage.program, mesh, self.cluster, self.config.intra, k)
+            self._plans[key] = _LayerPlans(stage, problem, [], self.device_memory)
+        plans = self._plans[key]
+        while len(plans.found) < min(levels, MAX_ALTERNATIVES) and not plans.exhausted:
+            self._squeeze(plans)
+        return tuple(plans.found[:levels])
 
-    def _plan_costs(self, stage: StageProgram, mesh: MeshPlan) -> tuple[LayerCost, ...]:
+    def _squeeze(self, plans: _LayerPlans) -> None:
+        """Plan the layer once more, within the budget its last plan left."""
+        self.ilp_solves += 1
+        plan = plans.problem.solve(plans.budget)
+        if plan is None:
+            logger.debug("layer %s: nothing fits %.3g bytes", plans.stage.layers, plans.budget)
+            plans.exhausted = True
+            return
+        stash = stash_bytes(plans.stage, plan.stages[0])
+        state = state_bytes(plans.stage, plan.stages[0])
+        peak = plan.predicted.memory_per_device_bytes
         k = self.config.num_micro_batches
-        problem = ShardingProblem(stage.program, mesh, self.cluster, self.config.intra, k)
-        found: list[LayerCost] = []
-        budget = self.device_memory
-        while len(found) < MAX_ALTERNATIVES:
-            self.ilp_solves += 1
-            plan = problem.solve(budget)
-            if plan is None:
-                logger.debug("layer %s on %s: nothing fits %.3g bytes", stage.layers, mesh, budget)
-                break
-            stash = stash_bytes(stage, plan.stages[0])
-            state = state_bytes(stage, plan.stages[0])
-            peak = plan.predicted.memory_per_device_bytes
-            found.append(
-                LayerCost(
-                    plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash)
-                )
-            )
-            budget = SQUEEZE * peak
-        return tuple(found)
+        plans.found.append(
+            LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash))
+        )
+        plans.budget = SQUEEZE * peak
 
     def __call__(
         self, start: int, end: int, submesh: tuple, logical: tuple
     ) -> tuple[StageCost, ...]:
         """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
         one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
-        layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
-        if not all(layers):
+        fastest = [self.layer_costs(layer, logical, 1) for layer in range(start, end)]
+        if not all(fastest):
             return ()
-        alternatives = []
-        for level in range(max(map(len, layers))):
-            costs = [found[min(level, len(found) - 1)] for found in layers]
-            alternatives.append(
-                StageCost(
-                    latency_s=sum(c.latency_s for c in costs),
-                    static_memory_bytes=sum(c.state_bytes for c in costs)
-                    + max(c.temporary_bytes for c in costs),
-                    activation_memory_bytes=sum(c.stash_bytes for c in costs),
-                )
-            )
-        return tuple(alternatives)
+        first = _stage_cost(fastest, 0)
+        most_in_flight = 1 + self.parts.num_layers - end
+        if first.static_memory_bytes + most_in_flight * first.activation_memory_bytes <= (
+            self.device_memory
+        ):
+            return (first,)
+        layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
+        return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
+
+
+def _stage_cost(layers: list[tuple[LayerCost, ...]], level: int) -> StageCost:
+    """A stage of these layers at one squeeze level (a layer with fewer levels stays at its
+    tightest): latencies, state and stashes add up; the largest temporary counts once."""
+    costs = [found[min(level, len(found) - 1)] for found in layers]
+    return StageCost(
+        latency_s=sum(c.latency_s for c in costs),
+        static_memory_bytes=sum(c.state_bytes for c in costs)
+        + max(c.temporary_bytes for c in costs),
+        activation_memory_bytes=sum(c.stash_bytes for c in costs),
+    )
 
 
 def _solve(

@@ -1,6 +1,7 @@
 """PipeshardParallel on 8 simulated devices: parameters after 3 steps against the serial step,
 stages on disjoint sub-meshes (read off the outputs' shardings), the stage split, bad inputs."""
 
+import dataclasses
 import logging
 
 import jax
@@ -14,7 +15,7 @@ from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
 from autopar.planner.intra import IntraOpConfig
 from autopar.planner.pipeline import place_stages, split_step
-from autopar.planner.pipeshard import PipelineConfig
+from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import resolve_argnums, trace_step
 
@@ -139,6 +140,41 @@ def test_profiled_stage_cost():
     # Two layers hold twice the weights (64x64 float32 + Adam state + gradient) and stash more.
     assert two.static_memory_bytes > one.static_memory_bytes > 0
     assert two.activation_memory_bytes > one.activation_memory_bytes > 0
+
+
+class _EagerLayerCosts(LayerCosts):
+    """Every squeeze level of every layer, whether a stage needs it or not."""
+
+    def __call__(self, start, end, submesh, logical):
+        for layer in range(start, end):
+            self.layer_costs(layer, logical)
+        return super().__call__(start, end, submesh, logical)
+
+
+def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
+    """With memory to spare the fastest layer plans always fit: the squeezed ones would never
+    be picked, so planning them only where needed gives the same plan with fewer ILP solves."""
+    module, config = _config("mlp", manual_layers=True)
+    state = module.create_train_state(config, batch_size=2)
+    method = _method(0, "1f1b", "manual", stage_option=autopar.AutoStageOption())
+    args = (state, module.make_batch(config, BATCH))
+    traced = trace_for_method(
+        module.make_train_step(autopar.value_and_grad),
+        args,
+        method,
+        resolve_argnums(args, (), (1,), "auto"),
+    )
+    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    cluster = autopar.ClusterSpec.local(8)
+    pipeline = PipelineConfig(MICRO_BATCHES, "1f1b", method.stage_option, IntraOpConfig())
+    plans, solves = [], []
+    for costs_class in (LayerCosts, _EagerLayerCosts):
+        costs = costs_class(parts, traced.program, cluster, pipeline, 8)
+        plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline, costs)
+        plans.append(dataclasses.replace(plan, notes=()))
+        solves.append(costs.ilp_solves)
+    assert plans[0] == plans[1]
+    assert solves[0] < solves[1]
 
 
 def test_profiling_needs_the_devices():
