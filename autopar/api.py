@@ -38,6 +38,7 @@ from autopar.runtime.executable import Executable
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import (
     TracedStep,
+    abstract_arguments,
     abstract_value,
     argument_names,
     check_batch_leaves,
@@ -169,20 +170,6 @@ def _planned(
     if cache:
         cache.store(key, plan)
     return plan
-
-
-def _abstract(args: Sequence[Any], static: Sequence[int]) -> tuple[Any, ...]:
-    """`args` with every array leaf of a non-static argument as a `jax.ShapeDtypeStruct`, so
-    that keeping them (to trace again) holds no device memory."""
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) or not (hasattr(x, "shape") or hasattr(x, "aval")):
-            return x
-        aval = abstract_value(x)
-        weak = getattr(aval, "weak_type", False)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
-
-    return tuple(a if i in static else jax.tree.map(leaf, a) for i, a in enumerate(args))
 
 
 def _with_context(
@@ -349,7 +336,7 @@ class ParallelizedFunc:
             traced = trace_for_method(self.fun, args, self.method, argnums)
             plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices)
             retrace = functools.partial(
-                _retrace, self.fun, _abstract(args, argnums[0]), argnums=argnums
+                _retrace, self.fun, abstract_arguments(args, argnums[0]), argnums=argnums
             )
             plan = _with_context(plan, traced, self.method, mesh, runtime.cluster_spec, retrace)
             self._plans[key] = (traced, plan)
@@ -478,7 +465,8 @@ def plan(
     traced = trace_for_method(fun, args, method, argnums)
     mesh = method_mesh(method, cluster)[0]
     plan = _planned(traced, method, mesh, cluster)
-    retrace = functools.partial(_retrace, fun, _abstract(args, argnums[0]), argnums=argnums)
+    abstract = abstract_arguments(args, argnums[0])
+    retrace = functools.partial(_retrace, fun, abstract, argnums=argnums)
     return _with_context(plan, traced, method, mesh, cluster, retrace)
 
 

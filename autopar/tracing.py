@@ -76,6 +76,20 @@ def abstract_value(x: Any) -> Any:
     return aval if isinstance(aval, jax.core.ShapedArray) else jax.typeof(x)
 
 
+def abstract_arguments(args: Sequence[Any], static: Sequence[int]) -> tuple[Any, ...]:
+    """`args` with every array leaf of a non-static argument as a `jax.ShapeDtypeStruct`
+    (weak type kept): what tracing the step again needs, holding no device memory."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) or not (hasattr(x, "shape") or hasattr(x, "aval")):
+            return x
+        aval = abstract_value(x)
+        weak = getattr(aval, "weak_type", False)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+
+    return tuple(a if i in static else jax.tree.map(leaf, a) for i, a in enumerate(args))
+
+
 def _is_array_like(x: Any) -> bool:
     return isinstance(
         x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)

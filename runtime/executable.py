@@ -24,6 +24,17 @@ class MemoryStats:
     alias_bytes: int
     temp_bytes: int
 
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> MemoryStats:
+        """XLA's compiled memory analysis of `compiled`."""
+        m = compiled.memory_analysis()
+        return cls(
+            argument_bytes=int(m.argument_size_in_bytes),
+            output_bytes=int(m.output_size_in_bytes),
+            alias_bytes=int(m.alias_size_in_bytes),
+            temp_bytes=int(m.temp_size_in_bytes),
+        )
+
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs (minus donated aliases) + temporaries: XLA's peak estimate."""
@@ -97,13 +108,7 @@ class Executable:
 
     def memory_stats(self) -> MemoryStats:
         """Per-device argument, output, temp and peak bytes from XLA's memory analysis."""
-        m = self._compiled.memory_analysis()
-        return MemoryStats(
-            argument_bytes=int(m.argument_size_in_bytes),
-            output_bytes=int(m.output_size_in_bytes),
-            alias_bytes=int(m.alias_size_in_bytes),
-            temp_bytes=int(m.temp_size_in_bytes),
-        )
+        return MemoryStats.of(self._compiled)
 
     def collectives(self) -> dict[str, list[int]]:
         """Per collective kind, the byte size of each such op in the HLO (output shape)."""

@@ -82,11 +82,7 @@ class PipelineExecutable:
 
     def get_hlo_text(self) -> str:
         """The compiled HLO of every segment that has run, each under a ``// segment`` line."""
-        return "\n".join(
-            f"// {name}\n{compiled.as_text()}"
-            for runner in self._runners
-            for name, compiled in runner.compiled()
-        )
+        return "\n".join(runner.hlo_text() for runner in self._runners if runner.compiled())
 
     def collectives(self) -> dict[str, list[int]]:
         """Per collective kind, the byte size of each such op over all compiled segments."""

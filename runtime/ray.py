@@ -434,7 +434,7 @@ class RayExecutable:
                 rows.append((s, name, j, start, end))
         return sorted(rows, key=lambda r: r[3])
 
-    def _hlo_and_memory(self) -> list[tuple[str, list[int] | None]]:
+    def _hlo_and_memory(self) -> list[tuple[str, Any]]:
         return [
             self._get(self.actors[s][0].hlo_and_memory.remote(), s) for s in range(len(self.actors))
         ]
@@ -450,9 +450,7 @@ class RayExecutable:
 
     def memory_stats(self) -> list[Any]:
         """Per stage, XLA's memory analysis of its largest compiled segment (after a call)."""
-        from autopar.runtime.executable import MemoryStats
-
-        return [None if m is None else MemoryStats(*m) for _, m in self._hlo_and_memory()]
+        return [stats for _, stats in self._hlo_and_memory()]
 
 
 def _first_line(error: Exception) -> str:

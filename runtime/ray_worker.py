@@ -22,7 +22,7 @@ import numpy as np
 from autopar.planner.plan import Plan
 from autopar.runtime.layout import Key, PipelineLayout
 from autopar.runtime.schedules import TaskKind
-from autopar.tracing import TracedStep, abstract_value
+from autopar.tracing import TracedStep, abstract_arguments
 
 Shards = list[tuple[tuple[slice, ...], np.ndarray]]
 
@@ -53,16 +53,8 @@ class StepSource:
 
     @classmethod
     def of(cls, fun: Callable, args: Sequence[Any], argnums) -> StepSource:
-        static = argnums[0]
-        abstract = tuple(
-            a if i in static else jax.tree_util.tree_map(_abstract, a) for i, a in enumerate(args)
-        )
+        abstract = abstract_arguments(args, argnums[0])
         return cls(fun, abstract, tuple(tuple(a) for a in argnums))
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    aval = abstract_value(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _free_port() -> int:
@@ -205,16 +197,12 @@ class MeshWorker:
         """(segment, micro-batch, start, end) of each task run, in seconds of this host's clock."""
         return list(self._timeline)
 
-    def hlo_and_memory(self) -> tuple[str, list[int] | None]:
-        """The compiled HLO text and (argument, output, alias, temp) bytes of the largest one."""
+    def hlo_and_memory(self) -> tuple[str, Any]:
+        """The compiled HLO text and the `MemoryStats` of the largest segment (None before a
+        run)."""
         if self._runner is not None:
-            text = "\n".join(f"// {n}\n{c.as_text()}" for n, c in self._runner.compiled())
-            stats = self._runner.memory_stats()
-        else:
-            text, stats = self._executable.get_hlo_text(), self._executable.memory_stats()
-        if stats is None:
-            return text, None
-        return text, [stats.argument_bytes, stats.output_bytes, stats.alias_bytes, stats.temp_bytes]
+            return self._runner.hlo_text(), self._runner.memory_stats()
+        return self._executable.get_hlo_text(), self._executable.memory_stats()
 
 
 def _devices_by_index(device_indices: Sequence[tuple[int, int, int]]) -> list[Any]:

@@ -160,17 +160,11 @@ class StageRunner:
         """(segment name, compiled executable) of every segment variant that has run."""
         return [(j.name, j.compiled) for j in self._jitted.values() if j.compiled is not None]
 
+    def hlo_text(self) -> str:
+        """The compiled HLO of every segment variant that has run, each under a ``// name``."""
+        return "\n".join(f"// {name}\n{compiled.as_text()}" for name, compiled in self.compiled())
+
     def memory_stats(self) -> MemoryStats | None:
         """XLA's memory analysis of this stage's largest compiled segment (None before a run)."""
-        best = None
-        for _, compiled in self.compiled():
-            m = compiled.memory_analysis()
-            stats = MemoryStats(
-                int(m.argument_size_in_bytes),
-                int(m.output_size_in_bytes),
-                int(m.alias_size_in_bytes),
-                int(m.temp_size_in_bytes),
-            )
-            if best is None or stats.peak_bytes > best.peak_bytes:
-                best = stats
-        return best
+        stats = [MemoryStats.of(compiled) for _, compiled in self.compiled()]
+        return max(stats, key=lambda s: s.peak_bytes, default=None)
