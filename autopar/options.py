@@ -8,6 +8,7 @@ import numbers
 
 from autopar.planner.errors import InvalidArgumentError, check_positive_int
 from autopar.planner.intra import IntraOpConfig
+from autopar.planner.stages import LOGICAL_SPACES, PHYSICAL_SPACES
 
 SOLVERS = ("cbc", "highs")
 
@@ -28,6 +29,10 @@ class AutoShardingOption:
       time_limit_s: wall-clock limit per ILP solve; past it the best plan found is used, with a
         warning.
       reuse_repeated_layers: give identical layers one set of variables (smaller, faster ILP).
+      force_batch_dim_to_mesh_dim: split every value's batch dim over this mesh axis (0 or 1)
+        and no other: data parallel over that axis, the ILP choosing only the model
+        parallelism over the other one of a 2-D mesh (Alpa's option; a much smaller ILP). An
+        axis of one device forces nothing. None: free.
     """
 
     memory_budget_per_device: float | None = None
@@ -37,6 +42,7 @@ class AutoShardingOption:
     solver: str = "cbc"
     time_limit_s: float = 60.0
     reuse_repeated_layers: bool = True
+    force_batch_dim_to_mesh_dim: int | None = None
 
     def __post_init__(self) -> None:
         budget = self.memory_budget_per_device
@@ -55,6 +61,11 @@ class AutoShardingOption:
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not limit > 0:
             raise InvalidArgumentError(f"time_limit_s must be a positive number, got {limit!r}")
+        axis = self.force_batch_dim_to_mesh_dim
+        if axis is not None and (isinstance(axis, bool) or axis not in (0, 1)):
+            raise InvalidArgumentError(
+                f"force_batch_dim_to_mesh_dim must be 0, 1 or None, got {axis!r}"
+            )
         if self.force_data_parallel and self.force_zero_stage_3:
             raise InvalidArgumentError(
                 "force_data_parallel and force_zero_stage_3 exclude each other; set one"
@@ -110,10 +121,6 @@ class AutoLayerOption:
             )
 
 
-PHYSICAL_SHAPE_SPACES = ("power_of_two", "all")
-LOGICAL_SHAPE_SPACES = ("all", "same_as_physical", "data_parallel_only", "model_parallel_only")
-
-
 @dataclasses.dataclass(frozen=True)
 class AutoStageOption:
     """Let the stage DP choose layer ranges, sub-meshes and logical meshes (Alpa §5).
@@ -121,8 +128,11 @@ class AutoStageOption:
     Args:
       submesh_physical_shape_space: "power_of_two": (1,1),(1,2),(1,4)..(1,M) inside a host and
         (2,M),(4,M).. whole hosts; "all": every (1,k) and (h,M).
-      submesh_logical_shape_space: which logical meshes a sub-mesh of d devices may take: "all"
-        (every factorisation), "same_as_physical", "data_parallel_only" (d,1) or
+      submesh_logical_shape_space: which logical meshes a sub-mesh of d devices may take:
+        "single_node_model_parallel" (Alpa's default: (d/mp, mp) with mp at most the devices of
+        a host, data parallel over the first axis, the ILP choosing the model parallelism over
+        the second; (d,1) free), "all" (every factorisation, the ILP free on both axes: a
+        larger search), "same_as_physical", "data_parallel_only" (d,1) or
         "model_parallel_only" (1,d).
       stage_imbalance_tolerance: skip max-stage-latency bounds that make the slowest stage more
         than this factor slower than the fastest (Alpa's knob); inf keeps all.
@@ -131,19 +141,19 @@ class AutoStageOption:
     """
 
     submesh_physical_shape_space: str = "power_of_two"
-    submesh_logical_shape_space: str = "all"
+    submesh_logical_shape_space: str = "single_node_model_parallel"
     stage_imbalance_tolerance: float = math.inf
     profile: bool = False
 
     def __post_init__(self) -> None:
-        if self.submesh_physical_shape_space not in PHYSICAL_SHAPE_SPACES:
+        if self.submesh_physical_shape_space not in PHYSICAL_SPACES:
             raise InvalidArgumentError(
-                f"submesh_physical_shape_space must be one of {PHYSICAL_SHAPE_SPACES}, got "
+                f"submesh_physical_shape_space must be one of {PHYSICAL_SPACES}, got "
                 f"{self.submesh_physical_shape_space!r}"
             )
-        if self.submesh_logical_shape_space not in LOGICAL_SHAPE_SPACES:
+        if self.submesh_logical_shape_space not in LOGICAL_SPACES:
             raise InvalidArgumentError(
-                f"submesh_logical_shape_space must be one of {LOGICAL_SHAPE_SPACES}, got "
+                f"submesh_logical_shape_space must be one of {LOGICAL_SPACES}, got "
                 f"{self.submesh_logical_shape_space!r}"
             )
         tolerance = self.stage_imbalance_tolerance

@@ -34,7 +34,7 @@ from autopar.models import GPTConfig, gpt
 from autopar.planner.errors import AutoparError
 from autopar.planner.pipeline import split_step
 from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
-from autopar.planner.stages import logical_mesh_shapes, manual_stages
+from autopar.planner.stages import LOGICAL_SPACES, logical_mesh_shapes, manual_stages
 
 logger = logging.getLogger("pipeshard_planning")
 
@@ -50,12 +50,14 @@ CASES: dict[str, tuple[str, int, int, int, list[tuple[int, int]], list | None]] 
 
 
 def _alpa_plan(costs: LayerCosts, case: tuple, cluster_shape, memory: float) -> dict[str, Any]:
-    """Alpa's published sub-meshes costed like our plans; its best layer split and logicals."""
+    """Alpa's published sub-meshes costed like our plans; its best layer split and logicals (one
+    logical mesh per sub-mesh shape, from the logical space our plan searched)."""
     _, _, layers, micro_batches, submeshes, logicals = case
     n = len(submeshes)
-    choices = (
-        [logicals] if logicals else itertools.product(*(logical_mesh_shapes(s) for s in submeshes))
-    )
+    shapes = sorted(set(submeshes))
+    space = costs.config.stage_option.submesh_logical_shape_space
+    picks = itertools.product(*(logical_mesh_shapes(s, space, cluster_shape[1]) for s in shapes))
+    choices = [logicals] if logicals else [[p[shapes.index(s)] for s in submeshes] for p in picks]
     best = None
     for logical in choices:
         for cuts in itertools.combinations(range(1, layers), n - 1):
@@ -90,7 +92,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     method = autopar.PipeshardParallel(
         num_micro_batches=micro_batches,
         layer_option=autopar.AutoLayerOption(layer_num=layers, remat_mode=args.remat),
-        stage_option=autopar.AutoStageOption(),
+        stage_option=autopar.AutoStageOption(submesh_logical_shape_space=args.logical_space),
         auto_sharding_option=option,
     )
     pipeline = PipelineConfig(micro_batches, "1f1b", method.stage_option, option.to_config())
@@ -161,7 +163,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Shapes only, cost-model mode (no compile, no profiling). Global batch "
         f"{s['global_batch']}, seq 1024, {s['dtype']} compute, V100 p3.16xlarge hosts (8 GPUs, "
         f"16 GB each), per-layer rematerialisation {s['remat']}, solver {s['solver']} "
-        f"({s['time_limit_s']:.0f} s limit per ILP), 1F1B, {s['machine']}.",
+        f"({s['time_limit_s']:.0f} s limit per ILP), logical meshes "
+        f"`{s.get('logical_space', 'all')}`, 1F1B, {s['machine']}.",
         "",
         "| case | devices | layers | micro-batches | trace s | plan s | total s | ILP solves | "
         "our stages (layers, sub-mesh as logical mesh) | our step s (DP) | Alpa's plan, costed "
@@ -186,7 +189,8 @@ def markdown(result: dict[str, Any]) -> str:
         "Step times are the stage DP's Σ t + (B−1)·max t with each stage's t the sum of its "
         "layers' ILP-predicted times per micro-batch (the same numbers for both plans). Alpa "
         "did not publish its layer split, nor the logical meshes for 2.6B and 39B: its plan "
-        "gets the best split and logical meshes under our cost model. The full plan's own "
+        "gets the best split and logical meshes (one per sub-mesh shape, from the same space) "
+        "under our cost model. The full plan's own "
         "prediction (each stage re-planned as a whole) is in the JSON (`predicted_step_s`). "
         f"Target: 39B on 64 devices in ≤ {TARGET_S:.0f} s total.",
     ]
@@ -201,6 +205,7 @@ def main() -> None:
     parser.add_argument("--solver", default="highs", choices=["cbc", "highs"])
     parser.add_argument("--time-limit", type=float, default=10.0, help="per ILP solve, s")
     parser.add_argument("--remat", default="coarse_grained", choices=["coarse_grained", "none"])
+    parser.add_argument("--logical-space", default=LOGICAL_SPACES[0], choices=LOGICAL_SPACES)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -220,6 +225,7 @@ def main() -> None:
             "solver": args.solver,
             "time_limit_s": args.time_limit,
             "remat": args.remat,
+            "logical_space": args.logical_space,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         },
         "rows": rows,

@@ -17,7 +17,7 @@ Identity markers that pass many values through (the gradient and layer boundarie
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from autopar.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
@@ -141,14 +141,23 @@ def _params_key(node: OpNode) -> tuple:
     return tuple(items)
 
 
-def assign_classes(grouping: Grouping, input_roles: dict[int, str], rounds: int = 3) -> int:
-    """Give each group a class; equal classes mean the same structure within `rounds` hops.
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Signatures:
+    """Weisfeiler-Lehman hashes: of every value, of every planned node, and each node's
+    operand values."""
+
+    value: dict[Value, int]
+    node: dict[str, int]
+    operands: dict[str, list[Value | None]]
+
+
+def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) -> _Signatures:
+    """Hashes equal for nodes and values whose neighbourhoods within `rounds` hops are equal.
 
     `input_roles` labels step inputs (e.g. "batch", "param"); inputs differ only by it and their
-    aval. Returns the number of classes.
-    """
+    aval."""
     graph = grouping.graph
-    sig: dict[Value | str, int] = {}
+    sig: dict[Value, int] = {}
     for i, aval in enumerate(graph.inputs):
         sig[input_value(i)] = hash(("input", aval.shape, str(aval.dtype), input_roles.get(i, "")))
     nodes = list(grouping.planned_nodes())
@@ -189,6 +198,39 @@ def assign_classes(grouping: Grouping, input_roles: dict[int, str], rounds: int 
         for i in range(len(graph.inputs)):
             v = input_value(i)
             sig[v] = hash((sig[v], tuple(sorted((node_sig[r], k) for r, k in readers.get(v, ())))))
+    return _Signatures(sig, node_sig, operands)
+
+
+def structure_signature(
+    grouping: Grouping,
+    input_roles: dict[int, str],
+    output_to_input: Sequence[int | None],
+    rounds: int = 3,
+) -> int:
+    """A hash equal for programs that are the same up to the order of their ops, inputs and
+    outputs (e.g. one layer whose parameters sort as blocks_10, blocks_11, blocks_9 and one with
+    blocks_6, blocks_7, blocks_8): the multisets of node and input hashes, and of outputs with
+    the inputs they update."""
+    found = _signatures(grouping, input_roles, rounds)
+    outputs = [
+        (
+            found.value.get(grouping.value_of(ref), 0),
+            -1 if i is None else found.value[input_value(i)],
+        )
+        for ref, i in zip(grouping.graph.outputs, output_to_input, strict=True)
+    ]
+    inputs = [found.value[input_value(i)] for i in range(len(grouping.graph.inputs))]
+    return hash((tuple(sorted(found.node.values())), tuple(sorted(inputs)), tuple(sorted(outputs))))
+
+
+def assign_classes(grouping: Grouping, input_roles: dict[int, str], rounds: int = 3) -> int:
+    """Give each group a class; equal classes mean the same structure within `rounds` hops.
+
+    `input_roles` labels step inputs (e.g. "batch", "param"); inputs differ only by it and their
+    aval. Returns the number of classes.
+    """
+    found = _signatures(grouping, input_roles, rounds)
+    sig, node_sig, operands = found.value, found.node, found.operands
     classes: dict[tuple, int] = {}
     for group in grouping.groups:
         local = {m: j for j, m in enumerate(group.members)}

@@ -90,6 +90,7 @@ class IntraOpIlp:
         *,
         solver: str = "cbc",
         time_limit_s: float = 60.0,
+        relative_gap: float | None = None,
     ) -> None:
         self.num_choices = list(num_choices)
         self.costs = costs
@@ -97,6 +98,7 @@ class IntraOpIlp:
         self.memory = memory
         self.solver = solver
         self.time_limit_s = time_limit_s
+        self.relative_gap = relative_gap  # stop within this fraction of optimal (None: solver's)
         self._time: tuple[pulp.LpProblem, list] | None = None  # the time model and its cuts
         self._cuts: dict[int, pulp.LpConstraint] = {}
         self._budget = np.inf
@@ -189,11 +191,13 @@ class IntraOpIlp:
 
     def _solve(self, prob: pulp.LpProblem, s) -> tuple[np.ndarray, bool] | None:
         if self.solver == "highs":
-            solver = pulp.HiGHS(msg=False, timeLimit=self.time_limit_s)
+            solver = pulp.HiGHS(msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap)
         else:
             with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
                 warnings.simplefilter("ignore", DeprecationWarning)
-                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.time_limit_s)
+                solver = pulp.PULP_CBC_CMD(
+                    msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap
+                )
         prob.solve(solver)
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             return None

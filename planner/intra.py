@@ -16,9 +16,10 @@ import time
 import numpy as np
 
 from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh
-from autopar.planner.errors import PlanningError
+from autopar.planner.errors import InvalidArgumentError, PlanningError
 from autopar.planner.explicit import param_inputs, split_spec
 from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
 from autopar.planner.groups import (
@@ -28,6 +29,7 @@ from autopar.planner.groups import (
     assign_classes,
     group_graph,
     input_value,
+    structure_signature,
 )
 from autopar.planner.ilp import (
     OVERLAP_PENALTY,
@@ -74,6 +76,8 @@ class IntraOpConfig:
     time_limit_s: float = 60.0
     reuse_repeated_layers: bool = True
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
+    force_batch_dim_to_mesh_dim: int | None = None
+    relative_gap: float | None = None  # accept plans this close to optimal (None: the solver's)
 
     def budget(self, cluster: ClusterSpec) -> float:
         """Bytes per device a plan may use: the set budget, else the cluster's device memory."""
@@ -109,6 +113,25 @@ def _gradient_sums(graph: OpGraph) -> set[str]:
     return found
 
 
+def input_roles(program: Program) -> dict[int, str]:
+    """Each step input's role: "batch" (split per micro-batch), "param" (read through a
+    parameter use) or "state" (optimizer state, counters)."""
+    params = set(param_inputs(program.graph).values())
+    batch = set(program.signature.batch_inputs)
+    return {
+        i: "batch" if i in batch else "param" if i in params else "state"
+        for i in range(len(program.graph.inputs))
+    }
+
+
+def program_structure(program: Program) -> int:
+    """A hash equal for programs that are the same up to the order of their ops and inputs
+    (`groups.structure_signature`): they plan alike on any mesh."""
+    return structure_signature(
+        group_graph(program.graph), input_roles(program), program.signature.output_to_input
+    )
+
+
 class _InputMenus:
     """Storage specs each step input may take, restricted by the config's force options."""
 
@@ -116,19 +139,14 @@ class _InputMenus:
         self.sig = program.signature
         self.mesh = mesh
         self.config = config
-        self.params = set(param_inputs(program.graph).values())
+        self.roles = input_roles(program)
         self.all_axes = tuple(mesh.axis_names)
         self.n = mesh.num_devices
         self.pinned = dict(config.pinned_inputs)
 
     def penalised(self, i: int, spec: Spec) -> bool:
         """prefer_reduce_scatter: optimizer state stored whole costs as if it were gathered."""
-        return self.config.prefer_reduce_scatter and self.role(i) == "state" and not any(spec)
-
-    def role(self, i: int) -> str:
-        if i in self.sig.batch_inputs:
-            return "batch"
-        return "param" if i in self.params else "state"
+        return self.config.prefer_reduce_scatter and self.roles[i] == "state" and not any(spec)
 
     def __call__(self, i: int) -> list[Spec]:
         shape = self.sig.input_avals[i].shape
@@ -138,7 +156,7 @@ class _InputMenus:
         forced = self.config.force_data_parallel or self.config.force_zero_stage_3
         if not forced:
             return specs
-        if self.role(i) == "batch":
+        if self.roles[i] == "batch":
             spec = (self.all_axes,) + replicated(len(shape) - 1)
             return [spec] if shape and shape[0] % self.n == 0 else [replicated(len(shape))]
         if self.config.force_zero_stage_3:
@@ -159,19 +177,44 @@ class _Problem:
     inputs: _InputMenus
 
 
+def _forced_batch_axis(mesh: LogicalMesh, config: IntraOpConfig) -> int | None:
+    """The mesh axis the batch dim is forced onto; None when free (no option, or an axis of
+    one device, which splits nothing)."""
+    axis = config.force_batch_dim_to_mesh_dim
+    if axis is None:
+        return None
+    if axis >= len(mesh.shape):
+        raise InvalidArgumentError(
+            f"force_batch_dim_to_mesh_dim={axis} needs a mesh with {axis + 1} axes; the mesh "
+            f"has shape {mesh.shape}"
+        )
+    return axis if mesh.shape[axis] > 1 else None
+
+
 def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k: int) -> _Problem:
     graph = program.graph
     grouping = group_graph(graph)
     inputs = _InputMenus(program, mesh, config)
-    roles = {i: inputs.role(i) for i in range(len(graph.inputs))}
     if config.reuse_repeated_layers:
-        num_classes = assign_classes(grouping, roles)
+        num_classes = assign_classes(grouping, inputs.roles)
     else:
         for group in grouping.groups:
             group.cls = group.index
         num_classes = len(grouping.groups)
     weights = dict.fromkeys(_grad_part(graph), float(k)) if k > 1 else {}
-    builder = MenuBuilder(grouping, mesh, cluster, weights, _gradient_sums(graph), inputs)
+    axis = _forced_batch_axis(mesh, config)
+    batch = program.signature.batch_inputs
+    forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
+    builder = MenuBuilder(
+        grouping,
+        mesh,
+        cluster,
+        weights,
+        _gradient_sums(graph),
+        inputs,
+        forced,
+        None if axis is None else mesh.axis_names[axis],
+    )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
     live = liveness(grouping, program.signature)
@@ -329,6 +372,7 @@ class ShardingProblem:
             MemoryModel(self.memory.evaluate, self.memory.coefficients),
             solver=config.solver,
             time_limit_s=config.time_limit_s,
+            relative_gap=config.relative_gap,
         )
         self.build_seconds = time.perf_counter() - start
 

@@ -26,7 +26,7 @@ import numpy as np
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import Collective, LogicalMesh, resharding_collectives, result_bytes
 from autopar.planner.graph import OpNode
-from autopar.planner.groups import Group, Grouping, Value
+from autopar.planner.groups import Group, Grouping, Value, input_value
 from autopar.planner.leader_rules import source_strategies
 from autopar.planner.memory import value_aval
 from autopar.planner.plan import Spec
@@ -101,6 +101,8 @@ class MenuBuilder:
         weights: dict[str, float],
         overlappable_nodes: set[str],
         input_specs: Callable[[int], list[Spec]],
+        batch_dims: dict[Value, int] | None = None,
+        batch_axis: str | None = None,
     ) -> None:
         self.grouping = grouping
         self.mesh = mesh
@@ -108,6 +110,8 @@ class MenuBuilder:
         self.weights = weights
         self.overlappable_nodes = overlappable_nodes
         self.input_specs = input_specs
+        self.batch_dims = batch_dims or {}
+        self.batch_axis = batch_axis
         self._menus: dict[int, Menu] = {}
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
         self._warned: set[str] = set()
@@ -165,7 +169,30 @@ class MenuBuilder:
                 specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
             strategies.append(tuple(chosen))
             value_specs.append(specs)
-        return Menu(strategies, value_specs)
+        return self._batch_split_only(group, Menu(strategies, value_specs))
+
+    def _batch_split_only(self, group: Group, menu: Menu) -> Menu:
+        """With a forced batch axis, the choices that split the group's batch dims over exactly
+        that axis (a value that no choice splits so is left free)."""
+        if self.batch_axis is None:
+            return menu
+        if group.is_input:
+            values = [((-1, 0), input_value(group.leader))]
+        else:
+            graph = self.grouping.graph
+            values = [
+                ((j, o), (member, o))
+                for j, member in enumerate(group.members)
+                for o in range(len(graph.node(member).out_avals))
+            ]
+        keep = range(len(menu))
+        for local, value in values:
+            dim = self.batch_dims.get(value)
+            if dim is None:
+                continue
+            split = [k for k in keep if menu.value_specs[k][local][dim] == (self.batch_axis,)]
+            keep = split or keep
+        return Menu([menu.strategies[k] for k in keep], [menu.value_specs[k] for k in keep])
 
     def _local(self, group: Group, local: dict[str, int], ref) -> LocalValue:
         node, o = self.grouping.value_of(ref)

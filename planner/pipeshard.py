@@ -1,15 +1,16 @@
 """PipeshardParallel's planner: stages by Alpa's DP, each stage sharded by the intra-op ILP.
 
 1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
-2. Every layer is planned alone by the ILP on every candidate logical mesh (cost-model mode):
-   its predicted time per micro-batch, its state and its stashed activations, for its fastest
-   plan and, where a stage's fastest plan may not fit, plans squeezed into less memory
-   (alternatives). Layers with the same structure
-   (repeated transformer blocks) are planned once per mesh, and meshes that differ only in the
-   order of equal axes once. A candidate stage costs the sum of its layers' times, state and
-   stashed activations plus the largest of their temporaries, one alternative per squeeze
-   level; ignoring resharding between layers of one stage and the transfers between stages, as
-   Alpa's DP does.
+2. Every layer is planned alone by the ILP, to within `CANDIDATE_GAP` of optimal, on every
+   candidate logical mesh (cost-model mode; data parallel over the first axis where the logical
+   space forces the batch dim there, `stage_intra_config`): its predicted time per
+   micro-batch, its state and its stashed activations, for its fastest plan and, where a
+   stage's fastest plan may not fit, plans squeezed into less memory (alternatives). Layers
+   with the same structure (repeated transformer blocks) are planned once per mesh, and free
+   meshes that differ only in the order of equal axes once. A candidate stage costs the sum of
+   its layers' times, state and stashed activations plus the largest of their temporaries, one
+   alternative per squeeze level; ignoring resharding between layers of one stage and the
+   transfers between stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
    per stage, the fastest alternative that fits with its micro-batches in flight.
 4. Each chosen stage is planned as a whole by the ILP on its logical mesh, within the memory its
@@ -20,16 +21,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from jax.extend.core import Var
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh, spec_bytes_per_device
-from autopar.planner.intra import IntraOpConfig, ShardingProblem, plan_shard_parallel
+from autopar.planner.intra import (
+    IntraOpConfig,
+    ShardingProblem,
+    plan_shard_parallel,
+    program_structure,
+)
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
@@ -42,9 +52,12 @@ from autopar.planner.stages import (
     CostFn,
     StageCost,
     StageSolution,
+    forces_batch_dim,
+    logical_mesh_shapes,
     manual_stages,
     place_submeshes,
     solve_stages,
+    submesh_shapes,
     uniform_stages,
 )
 
@@ -54,6 +67,10 @@ STAGE_AXES = ("x", "y")
 # A layer's next alternative plan must fit in this fraction of the previous one's peak memory.
 SQUEEZE = 0.6
 MAX_ALTERNATIVES = 3
+# Candidate layers are planned to within this fraction of the optimal time (the chosen stages
+# are then planned exactly): a MIP proves the last fraction of a percent slowly, and the cost
+# model is not that precise.
+CANDIDATE_GAP = 0.01
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -63,6 +80,22 @@ def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> Mes
     return MeshPlan(
         tuple(n for n, _ in kept), tuple(name for _, name in kept), tuple(device_indices)
     )
+
+
+def stage_intra_config(
+    config: PipelineConfig, logical: tuple[int, int], signature: StepSignature
+) -> IntraOpConfig | None:
+    """The intra-op options of a stage on `logical`: with the batch dim forced onto its first
+    axis where the stage option's logical space says so (`stages.forces_batch_dim`); None when
+    the micro-batch does not split evenly over that axis (the candidate cannot run, as in
+    Alpa)."""
+    space = getattr(config.stage_option, "submesh_logical_shape_space", None)
+    if space is None or not forces_batch_dim(space, logical):
+        return config.intra
+    shapes = [signature.input_avals[i].shape for i in signature.batch_inputs]
+    if any(shape and shape[0] % logical[0] for shape in shapes):
+        return None
+    return dataclasses.replace(config.intra, force_batch_dim_to_mesh_dim=0)
 
 
 def stash_bytes(stage: StageProgram, plan: StagePlan) -> float:
@@ -136,13 +169,21 @@ class PipelineConfig:
 
 @dataclasses.dataclass
 class _LayerPlans:
-    """One layer's plans on one mesh kind so far: the fastest first, then squeezed ones."""
+    """One layer's plans on one mesh kind so far: the fastest first, then squeezed ones. The
+    ILP is built on first use (by whichever thread plans it)."""
 
     stage: StageProgram
-    problem: ShardingProblem
+    build: Callable[[], ShardingProblem]
     found: list[LayerCost]
     budget: float
     exhausted: bool = False
+    _problem: ShardingProblem | None = None
+
+    @property
+    def problem(self) -> ShardingProblem:
+        if self._problem is None:
+            self._problem = self.build()
+        return self._problem
 
 
 class LayerCosts:
@@ -165,8 +206,10 @@ class LayerCosts:
         self.num_devices = num_devices
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
+        self._structures: dict[int, int] = {}  # layer -> program_structure of its program
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
+        self._count_lock = threading.Lock()
 
     def layer_program(self, layer: int) -> StageProgram:
         if layer not in self._programs:
@@ -180,29 +223,66 @@ class LayerCosts:
     ) -> tuple[LayerCost, ...]:
         """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
         (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak,
-        until the ILP finds none (empty: the layer never fits). They depend on the mesh's axes,
-        not on which devices."""
-        stage = self.layer_program(layer)
-        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
-        axes = logical_mesh(self.cluster, mesh.shape, mesh.axis_names)
-        # Axes of equal size and links can be swapped without changing any cost.
-        kind = tuple(sorted(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True)))
-        key = (stage.program.fingerprint, kind)
-        if key not in self._plans:
-            k = self.config.num_micro_batches
-            problem = ShardingProblem(stage.program, mesh, self.cluster, self.config.intra, k)
-            self._plans[key] = _LayerPlans(stage, problem, [], self.device_memory)
-        plans = self._plans[key]
+        until the ILP finds none (empty: the layer never fits or cannot run there). They
+        depend on the mesh's axes, not on which devices."""
+        plans = self._layer_plans(layer, logical)
+        if plans is None:
+            return ()
         while len(plans.found) < min(levels, MAX_ALTERNATIVES) and not plans.exhausted:
             self._squeeze(plans)
         return tuple(plans.found[:levels])
 
+    def prefetch(self, logicals: Iterable[tuple[int, int]], workers: int | None = None) -> None:
+        """Plan every layer's fastest plan on each of `logicals`, `workers` (default: the CPU
+        count) ILPs at a time: the solver runs outside Python's GIL, and the DP asks for all
+        of them anyway."""
+        pending = {
+            id(plans): plans
+            for logical in dict.fromkeys(logicals)
+            for layer in range(self.parts.num_layers)
+            if (plans := self._layer_plans(layer, logical)) is not None and not plans.found
+        }
+        with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
+            list(pool.map(self._squeeze, pending.values()))
+
+    def _layer_plans(self, layer: int, logical: tuple) -> _LayerPlans | None:
+        """The plans of `layer` on `logical` so far, shared by every layer of the same structure
+        (up to the order of its ops and inputs) on the same mesh kind; None where the layer
+        cannot run on it."""
+        stage = self.layer_program(layer)
+        intra = stage_intra_config(self.config, logical, self.program.signature)
+        if intra is None:
+            return None
+        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+        axes = logical_mesh(self.cluster, mesh.shape, mesh.axis_names)
+        kind = tuple(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True))
+        if intra.force_batch_dim_to_mesh_dim is None:
+            kind = tuple(sorted(kind))  # free axes of equal size and links can be swapped
+        if layer not in self._structures:
+            self._structures[layer] = program_structure(stage.program)
+        key = (self._structures[layer], kind, intra.force_batch_dim_to_mesh_dim)
+        if key not in self._plans:
+            k = self.config.num_micro_batches
+            intra = dataclasses.replace(intra, relative_gap=CANDIDATE_GAP)
+            build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
+            self._plans[key] = _LayerPlans(stage, build, [], self.device_memory)
+        return self._plans[key]
+
     def _squeeze(self, plans: _LayerPlans) -> None:
         """Plan the layer once more, within the budget its last plan left."""
-        self.ilp_solves += 1
+        with self._count_lock:
+            self.ilp_solves += 1
+        start = time.perf_counter()
         plan = plans.problem.solve(plans.budget)
+        logger.debug(
+            "layers %s on mesh %s within %.3g GiB: %s in %.2f s",
+            plans.stage.layers,
+            plans.problem.mesh_plan.shape,
+            plans.budget / 2**30,
+            "no plan" if plan is None else "a plan",
+            time.perf_counter() - start,
+        )
         if plan is None:
-            logger.debug("layer %s: nothing fits %.3g bytes", plans.stage.layers, plans.budget)
             plans.exhausted = True
             return
         stash = stash_bytes(plans.stage, plan.stages[0])
@@ -259,6 +339,14 @@ def _solve(
         return manual_stages(*args, option)
     if isinstance(option, UniformStageOption):
         return uniform_stages(*args, option)
+    if isinstance(cost_fn, LayerCosts):  # the DP asks for every layer on every candidate mesh
+        cost_fn.prefetch(
+            logical
+            for submesh in submesh_shapes(*cluster_shape, option.submesh_physical_shape_space)
+            for logical in logical_mesh_shapes(
+                submesh, option.submesh_logical_shape_space, cluster_shape[1]
+            )
+        )
     return solve_stages(*args, option)
 
 
@@ -291,19 +379,31 @@ def plan_pipeshard(
     placement = place_stages(parts, ranges)
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
-    stage_plans, latencies, peaks = [], [], []
-    compute = comm = comm_bytes = flops = 0.0
-    repeated: dict[tuple, Plan] = {}  # identical stages on equal meshes are planned once
+    chosen = []  # per stage: (its program, mesh, micro-batches in flight, plan key, ILP options)
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
         flight = in_flight(config.schedule, len(ranges), s, k)
         # The DP's stash estimate: what the other micro-batches in flight keep on the stage.
         others = (flight - 1) * assignment.cost.activation_memory_bytes
+        intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
+        intra = dataclasses.replace(intra, memory_budget_per_device=memory - others)
         key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, others)
-        if key not in repeated:
-            intra = dataclasses.replace(config.intra, memory_budget_per_device=memory - others)
-            repeated[key] = plan_shard_parallel(stage.program, mesh, cluster, intra, k)
+        chosen.append((stage, mesh, flight, key, intra))
+    # Identical stages on equal meshes are planned once; distinct ones side by side.
+    distinct = {key: (stage.program, mesh, intra) for stage, mesh, _, key, intra in chosen}
+
+    def plan_stage(job: tuple[Program, MeshPlan, IntraOpConfig]) -> Plan:
+        stage_alone, mesh, intra = job
+        return plan_shard_parallel(stage_alone, mesh, cluster, intra, k)
+
+    with ThreadPoolExecutor(min(len(distinct), os.cpu_count() or 1)) as pool:
+        repeated = dict(zip(distinct, pool.map(plan_stage, distinct.values()), strict=True))
+    stage_plans, latencies, peaks = [], [], []
+    compute = comm = comm_bytes = flops = 0.0
+    for s, ((stage, mesh, flight, key, _), assignment) in enumerate(
+        zip(chosen, solution.stages, strict=True)
+    ):
         planned = repeated[key]
         p = planned.predicted
         peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])

@@ -31,7 +31,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PHYSICAL_SPACES = ("power_of_two", "all")
-LOGICAL_SPACES = ("all", "same_as_physical", "data_parallel_only", "model_parallel_only")
+LOGICAL_SPACES = (
+    "single_node_model_parallel",
+    "all",
+    "same_as_physical",
+    "data_parallel_only",
+    "model_parallel_only",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,9 +108,21 @@ def submesh_shapes(
     return [(1, k) for k in widths] + [(h, devices_per_host) for h in range(2, num_hosts + 1)]
 
 
-def logical_mesh_shapes(submesh: tuple[int, int], space: str = "all") -> list[tuple[int, int]]:
-    """The 2-D logical meshes the intra-op pass may view a sub-mesh of d devices as."""
+def logical_mesh_shapes(
+    submesh: tuple[int, int], space: str = "all", devices_per_host: int | None = None
+) -> list[tuple[int, int]]:
+    """The 2-D logical meshes the intra-op pass may view a sub-mesh of d devices as.
+
+    "single_node_model_parallel" (Alpa's default): (d/mp, mp) for every mp that divides d and is
+    at most `devices_per_host` (model parallelism within a host), with the batch dim forced onto
+    the first axis where both axes split (`forces_batch_dim`), and (d, 1) left free. "all":
+    every factorisation, free.
+    """
     devices = submesh[0] * submesh[1]
+    if space == "single_node_model_parallel":
+        most = devices_per_host or submesh[1]
+        shapes = [(devices // mp, mp) for mp in range(1, min(devices, most) + 1)]
+        return [s for s in shapes if s[0] * s[1] == devices][::-1]
     if space == "all":
         return [(a, devices // a) for a in range(1, devices + 1) if devices % a == 0]
     if space == "same_as_physical":
@@ -114,6 +132,12 @@ def logical_mesh_shapes(submesh: tuple[int, int], space: str = "all") -> list[tu
     if space == "model_parallel_only":
         return [(1, devices)]
     raise InvalidArgumentError(f"space must be one of {LOGICAL_SPACES}, got {space!r}")
+
+
+def forces_batch_dim(space: str, logical: tuple[int, int]) -> bool:
+    """Whether the intra-op pass splits the batch dim over axis 0 (and only there) for this
+    logical mesh: in "single_node_model_parallel", on every mesh with two split axes."""
+    return space == "single_node_model_parallel" and min(logical) > 1
 
 
 def place_submeshes(
@@ -363,7 +387,7 @@ def _collect(
             for m, submesh in enumerate(submeshes):
                 variants = [
                     (logical, cost)
-                    for logical in logical_mesh_shapes(submesh, logical_space)
+                    for logical in logical_mesh_shapes(submesh, logical_space, cluster[1])
                     for cost in _alternatives(cost_fn(start, end, submesh, logical))
                 ]
                 costs.update(((start, end - start - 1, m, g), v) for g, v in enumerate(variants))
@@ -633,7 +657,7 @@ def solve_stages(
     if max_stages is not None:
         check_positive_int("max_stages", max_stages)
     if option is None:
-        physical_space, logical_space, tolerance = "power_of_two", "all", math.inf
+        physical_space, logical_space, tolerance = "power_of_two", LOGICAL_SPACES[0], math.inf
     else:
         physical_space = option.submesh_physical_shape_space
         logical_space = option.submesh_logical_shape_space

@@ -29,6 +29,7 @@ from autopar.planner.pipeline import StageProgram, StepParts
 from autopar.planner.pipeshard import (
     PipelineConfig,
     range_program,
+    stage_intra_config,
     stage_mesh,
     stash_bytes,
     state_bytes,
@@ -77,11 +78,14 @@ class StageProfiler:
                 self.parts, self.program.signature, start, end
             )
         stage = self._programs[start, end]
+        intra = stage_intra_config(self.config, logical, self.program.signature)
+        if intra is None:
+            return None
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
-        key = (stage.program.fingerprint, mesh.shape)
+        key = (stage.program.fingerprint, mesh.shape, intra.force_batch_dim_to_mesh_dim)
         if key not in self._measured:
             k = self.config.num_micro_batches
-            problem = ShardingProblem(stage.program, mesh, self.cluster, self.config.intra, k)
+            problem = ShardingProblem(stage.program, mesh, self.cluster, intra, k)
             self.ilp_solves += 1
             plan = problem.solve(self.device_memory)
             self._measured[key] = None if plan is None else self._measure(stage, plan.stages[0])

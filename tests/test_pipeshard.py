@@ -13,9 +13,15 @@ from conftest import parallel_steps, relative_error, serial_state
 import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
-from autopar.planner.intra import IntraOpConfig
+from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
 from autopar.planner.pipeline import place_stages, split_step
-from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
+from autopar.planner.pipeshard import (
+    LayerCosts,
+    PipelineConfig,
+    plan_pipeshard,
+    stage_intra_config,
+    stage_mesh,
+)
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import resolve_argnums, trace_step
 
@@ -49,7 +55,7 @@ def _method(stages: int, schedule: str, layers: str, **kwargs):
         autopar.ManualLayerOption() if layers == "manual" else autopar.AutoLayerOption(layer_num=4)
     )
     return autopar.PipeshardParallel(
-        num_micro_batches=MICRO_BATCHES,
+        num_micro_batches=kwargs.pop("num_micro_batches", MICRO_BATCHES),
         layer_option=layer_option,
         stage_option=kwargs.pop("stage_option", None) or autopar.UniformStageOption(stages),
         pipeline_schedule=schedule,
@@ -151,12 +157,17 @@ class _EagerLayerCosts(LayerCosts):
         return super().__call__(start, end, submesh, logical)
 
 
-def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
-    """With memory to spare the fastest layer plans always fit: the squeezed ones would never
-    be picked, so planning them only where needed gives the same plan with fewer ILP solves."""
+def _auto_stage_parts(num_micro_batches: int = MICRO_BATCHES):
+    """The MLP step traced for AutoStageOption, split into layers, and its PipelineConfig."""
     module, config = _config("mlp", manual_layers=True)
     state = module.create_train_state(config, batch_size=2)
-    method = _method(0, "1f1b", "manual", stage_option=autopar.AutoStageOption())
+    method = _method(
+        0,
+        "1f1b",
+        "manual",
+        stage_option=autopar.AutoStageOption(),
+        num_micro_batches=num_micro_batches,
+    )
     args = (state, module.make_batch(config, BATCH))
     traced = trace_for_method(
         module.make_train_step(autopar.value_and_grad),
@@ -165,8 +176,52 @@ def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
         resolve_argnums(args, (), (1,), "auto"),
     )
     parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    pipeline = PipelineConfig(num_micro_batches, "1f1b", method.stage_option, IntraOpConfig())
+    return traced, parts, pipeline
+
+
+def test_default_logical_space_splits_the_batch_over_the_first_axis():
+    """Alpa's single_node_model_parallel space: on a 2-D logical mesh a stage is data parallel
+    over the first axis (the ILP chooses only the model parallelism); a first axis that does
+    not divide the micro-batch (here 2 rows) makes the candidate unusable."""
+    traced, parts, pipeline = _auto_stage_parts(num_micro_batches=16)
+    signature, cluster = traced.program.signature, autopar.ClusterSpec.local(8)
+    intra = stage_intra_config(pipeline, (2, 4), signature)
+    assert intra.force_batch_dim_to_mesh_dim == 0
+    assert stage_intra_config(pipeline, (8, 1), signature) == pipeline.intra  # 1-D: free
+    assert stage_intra_config(pipeline, (4, 2), signature) is None
+    costs = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    assert costs(0, 1, (1, 8), (4, 2)) == ()
+    assert costs(0, 1, (1, 8), (2, 4))
+    stage = costs.layer_program(0)
+    mesh = stage_mesh((2, 4), tuple(range(8)))
+    plan = plan_shard_parallel(stage.program, mesh, cluster, intra, 16).stages[0]
+    batch = [plan.input_specs[i] for i in stage.program.signature.batch_inputs]
+    assert batch and all(spec[0] == ("x",) for spec in batch), batch
+
+
+def test_prefetched_layer_plans_equal_sequential_ones():
+    """The DP's candidates planned two ILPs at a time are the plans planned one by one."""
+    traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
-    pipeline = PipelineConfig(MICRO_BATCHES, "1f1b", method.stage_option, IntraOpConfig())
+    logicals = [(1, 2), (1, 8), (2, 4)]
+    parallel = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    parallel.prefetch(logicals, workers=2)
+    solves = parallel.ilp_solves
+    sequential = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    for layer in range(parts.num_layers):
+        for logical in logicals:
+            assert parallel.layer_costs(layer, logical, 1) == sequential.layer_costs(
+                layer, logical, 1
+            )
+    assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
+
+
+def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
+    """With memory to spare the fastest layer plans always fit: the squeezed ones would never
+    be picked, so planning them only where needed gives the same plan with fewer ILP solves."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
     plans, solves = [], []
     for costs_class in (LayerCosts, _EagerLayerCosts):
         costs = costs_class(parts, traced.program, cluster, pipeline, 8)

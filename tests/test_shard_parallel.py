@@ -14,7 +14,13 @@ from conftest import relative_error
 from jax.sharding import Mesh
 
 import autopar
+from autopar.api import trace_for_method
 from autopar.models import GPTConfig, gpt
+from autopar.planner.batch_dims import batch_dims
+from autopar.planner.cost import logical_mesh
+from autopar.planner.groups import group_graph
+from autopar.planner.intra import program_structure
+from autopar.tracing import resolve_argnums
 
 FOUR = jax.devices()[:4]
 
@@ -188,6 +194,61 @@ def test_force_options_restrict_storage():
     assert executable.plan.stages[0].input_specs[2] == (("x",), None)  # batch x split
 
 
+def test_forced_batch_dim_splits_every_batch_value_over_that_axis():
+    """Alpa's force_batch_dim_to_mesh_dim: data parallel over axis "a", the ILP choosing the
+    model parallelism over "b" (free, it splits this small-batch MLP over both axes instead)."""
+    mesh = Mesh(np.array(FOUR).reshape(2, 2), ("a", "b"))
+    step_fn, params, batch = _mlp(8, 1024, 4096)
+    _, free, _ = _run(step_fn, params, batch, devices=mesh)
+    _, forced, out = _run(step_fn, params, batch, devices=mesh, force_batch_dim_to_mesh_dim=0)
+    assert free.plan.stages[0].input_specs[2] == (None, None)
+    stage = forced.plan.stages[0]
+    assert stage.input_specs[2:] == ((("a",), None), (("a",), None))  # the batch x and y
+    args = (params, batch)
+    argnums = resolve_argnums(args, (), (1,), "auto")
+    traced = trace_for_method(step_fn, args, autopar.ShardParallel(), argnums)
+    grouping = group_graph(traced.program.graph)
+    values = batch_dims(grouping, traced.program.signature.batch_inputs, _mesh_2x2(), 0)
+    assert len(values) >= 10  # forward and backward activations, not only the inputs
+    for (node, o), dim in values.items():
+        spec = stage.input_specs[o] if node is None else stage.node_output_specs[node][o]
+        assert spec[dim] == ("a",), (node, spec)
+    assert "b" in _specs(out)["w1"][1]  # model parallel over the other axis
+    with pytest.raises(autopar.InvalidArgumentError, match=r"mesh_dim=1 needs .* shape \(4,\)"):
+        _run(step_fn, params, batch, force_batch_dim_to_mesh_dim=1)
+
+
+def _blocks_program(names, width=16):
+    """The program of an SGD step over blocks applied in the order of `names`."""
+
+    def loss(params, x):
+        for name in names:
+            x = jnp.tanh(x @ params[name])
+        return jnp.sum(x)
+
+    params = {name: jnp.ones((width, width)) for name in names}
+    args = (params, jnp.ones((8, width)))
+    argnums = resolve_argnums(args, (), (1,), "auto")
+    return trace_for_method(_sgd_step(loss), args, autopar.ShardParallel(), argnums).program
+
+
+def test_layers_equal_up_to_the_order_of_their_parameters_share_a_structure():
+    """Parameters sort by name, so blocks 9, 10, 11 arrive as 10, 11, 9: a different program
+    text, the same layer (LayerCosts plans it once)."""
+    in_order = _blocks_program(["b6", "b7", "b8"])
+    permuted = _blocks_program(["b9", "b10", "b11"])
+    assert in_order.fingerprint != permuted.fingerprint
+    assert program_structure(in_order) == program_structure(permuted)
+    assert program_structure(in_order) != program_structure(_blocks_program(["b6", "b7"]))
+    assert program_structure(in_order) != program_structure(
+        _blocks_program(["b6", "b7", "b8"], width=32)
+    )
+
+
+def _mesh_2x2():
+    return logical_mesh(autopar.ClusterSpec.preset("8xV100-p3"), (2, 2), ("a", "b"))
+
+
 def _adam_mlp(batch_size, din, hidden):
     _, params, batch = _mlp(batch_size, din, hidden)
     optimizer = optax.adam(1e-2)
@@ -320,6 +381,7 @@ def test_unknown_primitive_falls_back_to_replicated(caplog):
         ({"solver": "gurobi"}, "solver must be one of"),
         ({"time_limit_s": 0}, "time_limit_s"),
         ({"force_data_parallel": True, "force_zero_stage_3": True}, "exclude each other"),
+        ({"force_batch_dim_to_mesh_dim": 2}, "force_batch_dim_to_mesh_dim must be 0, 1"),
     ],
 )
 def test_bad_options_are_rejected(option, message):

@@ -13,6 +13,7 @@ from autopar.options import AutoStageOption, ManualStageOption, UniformStageOpti
 from autopar.planner.errors import InvalidArgumentError, PlanningError
 from autopar.planner.stages import (
     StageCost,
+    forces_batch_dim,
     logical_mesh_shapes,
     manual_stages,
     place_submeshes,
@@ -64,6 +65,27 @@ def test_submesh_shapes_rejects_unknown_space():
 )
 def test_logical_mesh_shapes(space, expected):
     assert logical_mesh_shapes((2, 4), space) == expected
+
+
+def test_single_node_model_parallel_keeps_model_parallelism_within_a_host():
+    """Alpa's default space: (d/mp, mp) with mp at most the devices of a host; the batch dim is
+    forced onto the first axis exactly where both axes split."""
+    assert logical_mesh_shapes((1, 8), "single_node_model_parallel", 8) == [
+        (1, 8),
+        (2, 4),
+        (4, 2),
+        (8, 1),
+    ]
+    assert logical_mesh_shapes((4, 8), "single_node_model_parallel", 8) == [
+        (4, 8),
+        (8, 4),
+        (16, 2),
+        (32, 1),
+    ]
+    assert [
+        forces_batch_dim("single_node_model_parallel", s) for s in [(1, 8), (2, 4), (8, 1)]
+    ] == [False, True, False]
+    assert not forces_batch_dim("all", (2, 4))
 
 
 def test_logical_mesh_shapes_of_one_device_and_unknown_space():
@@ -177,13 +199,14 @@ def _instance(seed, spaces=("power_of_two", "all"), clusters=CLUSTERS, alternati
 
 
 def _solve(num_layers, cluster, num_micro_batches, table, memory, **option):
+    option.setdefault("submesh_logical_shape_space", "all")  # the tables cover every logical mesh
     return solve_stages(
         num_layers,
         *cluster,
         num_micro_batches,
         lambda *args: table[args],
         memory,
-        AutoStageOption(**option) if option else None,
+        AutoStageOption(**option),
     )
 
 
