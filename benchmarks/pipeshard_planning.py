@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -105,7 +106,9 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_pipeshard(parts, traced.program, cluster, shape, pipeline, costs)
     end = time.perf_counter()
 
-    # The DP's own estimate of our plan and of Alpa's, from the same (cached) per-layer costs.
+    # The DP's own estimate of our plan and of Alpa's, from the same (cached) per-layer costs,
+    # every stage of Alpa's plan squeezed into memory if it needs to be.
+    costs.step_bound_s = math.inf
     memory = cluster.device_memory
     ours = autopar.ManualStageOption(
         tuple(tuple(range(*s.layers)) for s in plan.stages),

@@ -34,10 +34,10 @@ from jax.extend.core import Var
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh, spec_bytes_per_device
+from autopar.planner.errors import PlanningError
 from autopar.planner.intra import (
     IntraOpConfig,
     ShardingProblem,
-    plan_shard_parallel,
     program_structure,
 )
 from autopar.planner.pipeline import (
@@ -60,6 +60,7 @@ from autopar.planner.stages import (
     submesh_shapes,
     uniform_stages,
 )
+from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ MAX_ALTERNATIVES = 3
 # are then planned exactly): a MIP proves the last fraction of a percent slowly, and the cost
 # model is not that precise.
 CANDIDATE_GAP = 0.01
+_STASH_CORRECTIONS = 3  # re-plans of a chosen stage whose stash outgrows the DP's estimate
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -177,6 +179,8 @@ class _LayerPlans:
     found: list[LayerCost]
     budget: float
     exhausted: bool = False
+    last_peak: float = math.inf  # of the last plan found
+    halved: bool = False  # whether the budget was already moved halfway back after a failure
     _problem: ShardingProblem | None = None
 
     @property
@@ -192,6 +196,9 @@ class LayerCosts:
     Squeezed alternatives are planned only for a stage whose fastest plan does not fit with as
     many micro-batches in flight as it could ever hold (one per layer after it, plus its own):
     elsewhere the DP would never pick them, since it takes the fastest alternative that fits.
+    Nor where B micro-batches at the stage's fastest latency already take `step_bound_s` (the
+    step time of a plan found without it): a pipeline runs no faster than B times its slowest
+    stage, and squeezed plans are slower still.
     """
 
     def __init__(
@@ -209,6 +216,7 @@ class LayerCosts:
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
+        self.step_bound_s = math.inf
         self._count_lock = threading.Lock()
 
     def layer_program(self, layer: int) -> StageProgram:
@@ -222,8 +230,9 @@ class LayerCosts:
         self, layer: int, logical: tuple, levels: int = MAX_ALTERNATIVES
     ) -> tuple[LayerCost, ...]:
         """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
-        (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak,
-        until the ILP finds none (empty: the layer never fits or cannot run there). They
+        (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak
+        (or, where nothing fits that, halfway between), until the ILP finds none (empty: the
+        layer never fits or cannot run there). They
         depend on the mesh's axes, not on which devices."""
         plans = self._layer_plans(layer, logical)
         if plans is None:
@@ -283,7 +292,11 @@ class LayerCosts:
             time.perf_counter() - start,
         )
         if plan is None:
-            plans.exhausted = True
+            if plans.found and not plans.halved:  # nothing fits SQUEEZE of the last peak:
+                plans.budget = (plans.budget + plans.last_peak) / 2  # try halfway there once
+                plans.halved = True
+            else:
+                plans.exhausted = True
             return
         stash = stash_bytes(plans.stage, plan.stages[0])
         state = state_bytes(plans.stage, plan.stages[0])
@@ -292,7 +305,7 @@ class LayerCosts:
         plans.found.append(
             LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash))
         )
-        plans.budget = SQUEEZE * peak
+        plans.budget, plans.last_peak, plans.halved = SQUEEZE * peak, peak, False
 
     def __call__(
         self, start: int, end: int, submesh: tuple, logical: tuple
@@ -308,6 +321,8 @@ class LayerCosts:
             self.device_memory
         ):
             return (first,)
+        if self.config.num_micro_batches * first.latency_s >= self.step_bound_s:
+            return (first,)  # even at its fastest, a plan with this stage is no better
         layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
         return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
 
@@ -339,7 +354,10 @@ def _solve(
         return manual_stages(*args, option)
     if isinstance(option, UniformStageOption):
         return uniform_stages(*args, option)
-    if isinstance(cost_fn, LayerCosts):  # the DP asks for every layer on every candidate mesh
+    if isinstance(cost_fn, LayerCosts):
+        # The DP asks for every layer on every candidate mesh; and stages within a host (fast
+        # links, cheap ILPs) give a plan whose step time bounds which other stages are worth
+        # squeezing into memory.
         cost_fn.prefetch(
             logical
             for submesh in submesh_shapes(*cluster_shape, option.submesh_physical_shape_space)
@@ -347,7 +365,25 @@ def _solve(
                 submesh, option.submesh_logical_shape_space, cluster_shape[1]
             )
         )
+        if cluster_shape[0] > 1:
+            cost_fn.step_bound_s = _step_within_hosts(args, option)
     return solve_stages(*args, option)
+
+
+def _step_within_hosts(args: tuple, option) -> float:
+    """The step time of the best plan whose stages each fit in one host (inf: none)."""
+    num_layers, num_hosts, devices_per_host, num_micro_batches, cost_fn, memory = args
+
+    def within_host(start: int, end: int, submesh: tuple, logical: tuple):
+        return cost_fn(start, end, submesh, logical) if submesh[0] == 1 else None
+
+    try:
+        solution = solve_stages(
+            num_layers, num_hosts, devices_per_host, num_micro_batches, within_host, memory, option
+        )
+    except PlanningError:
+        return math.inf
+    return solution.step_latency_s
 
 
 def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
@@ -355,6 +391,44 @@ def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int
     if schedule == "gpipe":
         return num_micro_batches
     return min(num_micro_batches, num_stages - stage)
+
+
+def _plan_alike_stages(
+    job: tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]],
+    cluster: ClusterSpec,
+    num_micro_batches: int,
+    memory: float,
+) -> dict[float, Plan]:
+    """Identical stages on equal meshes, by (memory budget, micro-batches in flight): planned
+    once for the largest budget, and again only where that plan does not fit a smaller one
+    (where it fits, it is also the best). Where a plan's own stash of activations outgrows the
+    DP's estimate that set the budget, it is planned again with the excess taken off."""
+    stage, mesh, intra, requests = job
+    problem = ShardingProblem(stage.program, mesh, cluster, intra, num_micro_batches)
+
+    def peak(plan: Plan, flight: int) -> float:
+        stash = (flight - 1) * stash_bytes(stage, plan.stages[0])
+        return plan.predicted.memory_per_device_bytes + stash
+
+    found, plan = {}, None
+    for budget, flight in sorted(set(requests), reverse=True):
+        limit = budget
+        for _ in range(_STASH_CORRECTIONS + 1):
+            if plan is not None and peak(plan, flight) <= memory:
+                break
+            if plan is not None and plan.predicted.memory_per_device_bytes <= limit:
+                limit -= peak(plan, flight) - memory
+            plan = problem.solve(limit)
+            if plan is None:
+                raise problem.over_budget(limit)
+        else:
+            raise PlanningError(
+                f"stage of layers {stage.layers} on mesh {mesh.shape}: no plan found keeps its "
+                f"{flight} micro-batches of activations in flight within "
+                f"{format_bytes(memory)} per device; use more micro-batches or devices"
+            )
+        found[budget] = plan
+    return found
 
 
 def plan_pipeshard(
@@ -379,32 +453,31 @@ def plan_pipeshard(
     placement = place_stages(parts, ranges)
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
-    chosen = []  # per stage: (its program, mesh, micro-batches in flight, plan key, ILP options)
+    chosen = []  # per stage: (its program, mesh, micro-batches in flight, budget, plan key)
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
         flight = in_flight(config.schedule, len(ranges), s, k)
         # The DP's stash estimate: what the other micro-batches in flight keep on the stage.
-        others = (flight - 1) * assignment.cost.activation_memory_bytes
+        budget = memory - (flight - 1) * assignment.cost.activation_memory_bytes
+        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names)
+        chosen.append((stage, mesh, flight, budget, key))
+    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]]] = {}
+    for (stage, mesh, flight, budget, key), assignment in zip(chosen, solution.stages, strict=True):
         intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
-        intra = dataclasses.replace(intra, memory_budget_per_device=memory - others)
-        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, others)
-        chosen.append((stage, mesh, flight, key, intra))
-    # Identical stages on equal meshes are planned once; distinct ones side by side.
-    distinct = {key: (stage.program, mesh, intra) for stage, mesh, _, key, intra in chosen}
+        jobs.setdefault(key, (stage, mesh, intra, []))[3].append((budget, flight))
 
-    def plan_stage(job: tuple[Program, MeshPlan, IntraOpConfig]) -> Plan:
-        stage_alone, mesh, intra = job
-        return plan_shard_parallel(stage_alone, mesh, cluster, intra, k)
-
-    with ThreadPoolExecutor(min(len(distinct), os.cpu_count() or 1)) as pool:
-        repeated = dict(zip(distinct, pool.map(plan_stage, distinct.values()), strict=True))
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        plan_jobs = functools.partial(
+            _plan_alike_stages, cluster=cluster, num_micro_batches=k, memory=memory
+        )
+        repeated = dict(zip(jobs, pool.map(plan_jobs, jobs.values()), strict=True))
     stage_plans, latencies, peaks = [], [], []
     compute = comm = comm_bytes = flops = 0.0
-    for s, ((stage, mesh, flight, key, _), assignment) in enumerate(
+    for s, ((stage, mesh, flight, budget, key), assignment) in enumerate(
         zip(chosen, solution.stages, strict=True)
     ):
-        planned = repeated[key]
+        planned = repeated[key][budget]
         p = planned.predicted
         peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])
         stage_plans.append(

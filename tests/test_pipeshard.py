@@ -3,6 +3,7 @@ stages on disjoint sub-meshes (read off the outputs' shardings), the stage split
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,39 @@ def test_prefetched_layer_plans_equal_sequential_ones():
                 layer, logical, 1
             )
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
+
+
+class _UnboundedLayerCosts(LayerCosts):
+    """LayerCosts that squeezes every stage that may not fit, however slow."""
+
+    @property
+    def step_bound_s(self) -> float:
+        return math.inf
+
+    @step_bound_s.setter
+    def step_bound_s(self, _: float) -> None:
+        pass
+
+
+def test_stages_slower_than_a_plan_within_hosts_are_not_squeezed():
+    """On 2 hosts with slow links between them, a plan of stages within hosts bounds the step
+    time: stages that span hosts and are too slow at their fastest are not squeezed into
+    memory, and the plan is the same."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = dataclasses.replace(
+        autopar.ClusterSpec.local(8), num_hosts=2, devices_per_host=4, inter_host_bandwidth=1e8
+    )
+    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
+    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
+    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    plans, solves = [], []
+    for costs_class in (LayerCosts, _UnboundedLayerCosts):
+        costs = costs_class(parts, traced.program, cluster, pipeline, 8)
+        plan = plan_pipeshard(parts, traced.program, cluster, (2, 4), pipeline, costs)
+        plans.append(dataclasses.replace(plan, notes=()))
+        solves.append(costs.ilp_solves)
+    assert plans[0] == plans[1]
+    assert solves[0] < solves[1]
 
 
 def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
