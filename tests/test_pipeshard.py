@@ -241,14 +241,7 @@ def test_stages_slower_than_a_plan_within_hosts_are_not_squeezed():
     fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
     tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
     pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
-    plans, solves = [], []
-    for costs_class in (LayerCosts, _UnboundedLayerCosts):
-        costs = costs_class(parts, traced.program, cluster, pipeline, 8)
-        plan = plan_pipeshard(parts, traced.program, cluster, (2, 4), pipeline, costs)
-        plans.append(dataclasses.replace(plan, notes=()))
-        solves.append(costs.ilp_solves)
-    assert plans[0] == plans[1]
-    assert solves[0] < solves[1]
+    _same_plan_fewer_solves(traced, parts, pipeline, cluster, (2, 4), _UnboundedLayerCosts)
 
 
 def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
@@ -256,10 +249,16 @@ def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
     be picked, so planning them only where needed gives the same plan with fewer ILP solves."""
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
+    _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _EagerLayerCosts)
+
+
+def _same_plan_fewer_solves(traced, parts, pipeline, cluster, cluster_shape, exhaustive):
+    """LayerCosts finds the plan that `exhaustive` (a LayerCosts that prunes less) finds, with
+    fewer ILP solves."""
     plans, solves = [], []
-    for costs_class in (LayerCosts, _EagerLayerCosts):
+    for costs_class in (LayerCosts, exhaustive):
         costs = costs_class(parts, traced.program, cluster, pipeline, 8)
-        plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline, costs)
+        plan = plan_pipeshard(parts, traced.program, cluster, cluster_shape, pipeline, costs)
         plans.append(dataclasses.replace(plan, notes=()))
         solves.append(costs.ilp_solves)
     assert plans[0] == plans[1]
