@@ -393,6 +393,13 @@ def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int
     return min(num_micro_batches, num_stages - stage)
 
 
+def _stage_peak(stage: StageProgram, plan: Plan, flight: int) -> float:
+    """Per-device peak of a stage plan with `flight` micro-batches of activations stashed."""
+    return plan.predicted.memory_per_device_bytes + (flight - 1) * stash_bytes(
+        stage, plan.stages[0]
+    )
+
+
 def _plan_alike_stages(
     job: tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]],
     cluster: ClusterSpec,
@@ -405,19 +412,14 @@ def _plan_alike_stages(
     DP's estimate that set the budget, it is planned again with the excess taken off."""
     stage, mesh, intra, requests = job
     problem = ShardingProblem(stage.program, mesh, cluster, intra, num_micro_batches)
-
-    def peak(plan: Plan, flight: int) -> float:
-        stash = (flight - 1) * stash_bytes(stage, plan.stages[0])
-        return plan.predicted.memory_per_device_bytes + stash
-
     found, plan = {}, None
     for budget, flight in sorted(set(requests), reverse=True):
         limit = budget
         for _ in range(_STASH_CORRECTIONS + 1):
-            if plan is not None and peak(plan, flight) <= memory:
+            if plan is not None and _stage_peak(stage, plan, flight) <= memory:
                 break
             if plan is not None and plan.predicted.memory_per_device_bytes <= limit:
-                limit -= peak(plan, flight) - memory
+                limit -= _stage_peak(stage, plan, flight) - memory
             plan = problem.solve(limit)
             if plan is None:
                 raise problem.over_budget(limit)
@@ -454,6 +456,7 @@ def plan_pipeshard(
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
     chosen = []  # per stage: (its program, mesh, micro-batches in flight, budget, plan key)
+    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]]] = {}
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
@@ -462,10 +465,10 @@ def plan_pipeshard(
         budget = memory - (flight - 1) * assignment.cost.activation_memory_bytes
         key = (stage.program.fingerprint, mesh.shape, mesh.axis_names)
         chosen.append((stage, mesh, flight, budget, key))
-    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]]] = {}
-    for (stage, mesh, flight, budget, key), assignment in zip(chosen, solution.stages, strict=True):
-        intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
-        jobs.setdefault(key, (stage, mesh, intra, []))[3].append((budget, flight))
+        if key not in jobs:
+            intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
+            jobs[key] = (stage, mesh, intra, [])
+        jobs[key][3].append((budget, flight))
 
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
         plan_jobs = functools.partial(
@@ -479,7 +482,7 @@ def plan_pipeshard(
     ):
         planned = repeated[key][budget]
         p = planned.predicted
-        peak = p.memory_per_device_bytes + (flight - 1) * stash_bytes(stage, planned.stages[0])
+        peak = _stage_peak(stage, planned, flight)
         stage_plans.append(
             dataclasses.replace(
                 planned.stages[0],
