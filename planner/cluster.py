@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 _INT_FIELDS = ("num_hosts", "devices_per_host")
+PLATFORMS = ("gpu", "cpu")
 _POSITIVE_FIELDS = ("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth")
 _NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency")
 
@@ -39,6 +40,7 @@ class ClusterSpec:
     intra_host_latency: float
     inter_host_latency: float
     name: str = "custom"
+    platform: str = "gpu"  # the XLA backend that compiles for it: its memory layout rules differ
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:
@@ -58,6 +60,10 @@ class ClusterSpec:
             object.__setattr__(self, field, float(value))  # one type in reprs and JSON
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(
+                f"ClusterSpec.platform must be one of {PLATFORMS}, got {self.platform!r}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -152,6 +158,7 @@ class ClusterSpec:
             intra_host_latency=10e-6,  # ~10 µs: thread hand-off per collective
             inter_host_latency=10e-6,
             name=f"local-{num_devices}",
+            platform="cpu",
         )
 
 

@@ -51,13 +51,14 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
-from autopar.planner.strategy import storage_specs
+from autopar.planner.strategy import split_size, storage_specs
 from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
 # Nodes whose partial sums the runtime can reduce-scatter (runtime.interpreter._reduce_scatter).
 REDUCE_SCATTER_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add")
+_BUDGET_CORRECTIONS = 3  # re-solves when resharded copies take a plan over its memory budget
 # Storing a byte costs this fraction of moving it: breaks ties towards less memory.
 _STORAGE_TIE_BREAK = 1e-3
 TOP_OP_GROUPS = 8  # classes of op groups a stage plan lists in `op_costs`
@@ -175,6 +176,7 @@ class _Problem:
     live: Liveness
     num_classes: int
     inputs: _InputMenus
+    platform: str  # the cluster's: the CPU backend copies more buffers into layout
 
 
 def _forced_batch_axis(mesh: LogicalMesh, config: IntraOpConfig) -> int | None:
@@ -217,8 +219,10 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
     )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
-    live = liveness(grouping, program.signature)
-    return _Problem(grouping, builder, group_costs, edges, live, num_classes, inputs)
+    live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
+    return _Problem(
+        grouping, builder, group_costs, edges, live, num_classes, inputs, cluster.platform
+    )
 
 
 def _value_bytes(problem: _Problem, value: Value) -> tuple[int, tuple, np.ndarray]:
@@ -237,6 +241,43 @@ def _value_bytes(problem: _Problem, value: Value) -> tuple[int, tuple, np.ndarra
     return group.index, lv, sizes
 
 
+def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int, int]]:
+    """Partial sums exist whole before they are reduced, at their node's step: per choice,
+    (group, None, extra bytes, step, step) beyond the node's reduced output.
+
+    A reduce-scatter's input is the whole local sum. On the CPU backend an all-reduce writes a
+    new buffer, and a reduce-scatter whose dim is not the outermost one first copies its input
+    (a collective sends contiguous chunks; the dot wrote row-major).
+    """
+    grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
+    buffers = []
+    for group in grouping.groups:
+        menu = builder.menu(group)
+        for j, member in enumerate(group.members):
+            aval = grouping.graph.node(member).out_avals[0]
+            sizes = np.zeros(len(menu))
+            for k, strategies in enumerate(menu.strategies):
+                s = strategies[j]
+                if not s.partial_axes or split_size(builder.mesh, s.partial_axes) == 1:
+                    continue
+                spec = s.out_specs[0]
+                reduced = builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
+                if not s.reduce_scatters:
+                    sizes[k] = reduced if cpu else 0.0
+                    continue
+                dim = next(d for d, e in enumerate(spec) if e and set(s.partial_axes) <= set(e))
+                outer = [
+                    size // split_size(builder.mesh, e or ())
+                    for size, e in zip(aval.shape[:dim], spec[:dim], strict=True)
+                ]
+                whole = reduced * split_size(builder.mesh, s.partial_axes)
+                sizes[k] = whole * (2 if cpu and any(m > 1 for m in outer) else 1)
+            if sizes.any():
+                step = problem.live.step_of_node[member]
+                buffers.append((group.index, None, sizes, step, step))
+    return buffers
+
+
 class _Memory:
     """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`."""
 
@@ -250,7 +291,7 @@ class _Memory:
         self.temps = [
             (*_value_bytes(problem, value), start, end)
             for value, start, end in problem.live.temporaries
-        ]
+        ] + _unreduced_sums(problem)
 
     def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
         steps = self.problem.live.num_steps
@@ -379,12 +420,21 @@ class ShardingProblem:
     def solve(self, budget: float) -> Plan | None:
         """The fastest plan within `budget` bytes per device; None if none fits."""
         start = time.perf_counter()
-        solution = self.ilp.solve(budget)
-        if solution is None:
-            return None
         program, problem = self.program, self.problem
-        choice = solution.choices[self.memory.cls]
-        stage, predicted = _emit(program, problem, self.mesh_plan, self.memory, choice)
+        target = budget
+        for _ in range(1 + _BUDGET_CORRECTIONS):
+            solution = self.ilp.solve(target)
+            if solution is None:
+                return None
+            choice = solution.choices[self.memory.cls]
+            stage, predicted = _emit(program, problem, self.mesh_plan, self.memory, choice)
+            excess = predicted.memory_per_device_bytes - budget
+            if excess <= 0:
+                break
+            # The ILP does not see resharded copies (gathered parameters): ask it for less.
+            target -= excess
+        else:
+            return None
         elapsed = self.build_seconds + time.perf_counter() - start
         self.build_seconds = 0.0  # counted in the first plan only
         logger.info(
@@ -491,16 +541,19 @@ def _emit(
             aval = node.in_avals[pos]
             # A parameter use gathers on its own (a regather inside remat is not CSE'd away).
             key = node.id if node.id in aliases else (value, need)
+            seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
             if key not in resharded:
                 resharded.add(key)
-                seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
                 from_input = grouping.groups[grouping.group_of_value(value)].is_input
                 totals.add_comm((), weight * seconds, weight * nbytes, from_input)
+            size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
+            same = size == builder.spec_bytes(aval.shape, aval.dtype.itemsize, have)
+            if nbytes == 0 and (same or value in problem.live.fused):
+                continue  # no buffer: a no-op (size-1 axes), or a slice inside the reader's fusion
             # The resharded copy lives until the node runs; a parameter gathered at its use
             # (an alias of it) lives until that use's last reader.
             start = problem.live.step_of_node[node.id]
             end = problem.live.last_use.get((node.id, 0), start) if node.id in aliases else start
-            size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
             reshard_temps[start] += size
             reshard_temps[end + 1] -= size
         after = totals.at(())
@@ -509,7 +562,11 @@ def _emit(
         spent[1] += after[1] + after[2] - before[1] - before[2]
         if any(n is not None for n in needs):
             node_inputs[node.id] = tuple(needs)
-        if s.reduce_scatters and node.primitive in REDUCE_SCATTER_PRIMITIVES:
+        if (
+            s.reduce_scatters
+            and node.primitive in REDUCE_SCATTER_PRIMITIVES
+            and split_size(builder.mesh, s.partial_axes) > 1  # over size-1 axes: nothing to sum
+        ):
             reduce_scatter[node.id] = ReduceScatterLowering(
                 operand_specs=tuple(
                     spec if spec is not None else replicated(len(a.shape))

@@ -2,15 +2,17 @@
 
 The model mirrors XLA's compiled memory analysis, so that predictions can be held against
 `Executable.memory_stats()`: peak = arguments + outputs that do not reuse a donated argument +
-the most temporary bytes live at any step. Steps are the graph's nodes in program order.
+the most temporary bytes live at any step. Steps are the graph's nodes in `schedule` order.
 
-XLA fuses chains of element-wise ops, so their intermediates never exist as buffers. A node's
-output is *materialized* unless it is an element-wise/layout op whose single reader fuses it
-(another element-wise/layout op or a reduction), or an op that only relabels its operand's buffer
-(`_ALIASES`), which extends that buffer's life instead. Element-wise ops of scalars (a broadcast
-constant, an iota) are never materialized: XLA fuses them into every reader. Nor is a broadcast
-whose readers all fuse their operands (a causal mask broadcast to every head): XLA duplicates
-broadcasts into each fusion rather than keep the large result.
+XLA fuses element-wise ops into their readers, so their results never exist as buffers, and
+their operands live until the fusion runs. A node's output is *materialized* unless it is an
+element-wise/layout op whose readers all fuse it (element-wise/layout ops or reductions) and
+XLA would recompute it in each: always for one reader or a scalar constant, and for several
+readers unless the op, or what fuses into it, is expensive (`_EXPENSIVE`, XLA's `IsExpensive`).
+An op that only relabels its operand's buffer (`_ALIASES`) extends that buffer's life instead.
+An element-wise fusion writes its result over an operand of the same shape that dies there.
+On the CPU backend, a dot operand not laid out the way its matmul reads it is first copied
+(`_copied_dot_operands`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ from autopar.planner.program import StepSignature
 # Ops whose output is their operand's buffer (no copy): markers, bitcasts, layout folded into use.
 _ALIASES = frozenset({"autopar_param_use", "reshape", "squeeze", "transpose"})
 _FUSED = frozenset(ELEMENTWISE) | {"broadcast_in_dim", "reshape", "squeeze", "iota"}
+# Element-wise ops XLA does not duplicate into several fusions (`IsExpensive`): their result is
+# kept when more than one fusion reads it. The rest are recomputed in each reader.
+_EXPENSIVE = frozenset(
+    {
+        *("div", "rem", "pow", "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt", "cbrt"),
+        *("tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2"),
+        *("sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv", "lgamma"),
+        *("digamma", "igamma", "igammac", "random_gamma_grad", "polygamma", "zeta"),
+        *("bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "threefry2x32"),
+    }
+)
 _FUSES_OPERANDS = _FUSED | {
     "reduce_sum",
     "reduce_max",
@@ -50,13 +63,16 @@ class Liveness:
     outputs: tuple[Value, ...]
     step_of_node: dict[str, int]
     last_use: dict[Value, int]
+    fused: frozenset[Value]  # computed inside each reader's fusion: never a buffer
 
 
-def schedule(grouping: Grouping) -> list[OpNode]:
+def schedule(grouping: Grouping, signature: StepSignature) -> list[OpNode]:
     """Program order, except that what follows the gradients (the update) runs as early as it can.
 
     XLA's scheduler updates each parameter as soon as its gradient exists, which frees the
-    gradient; the jaxpr computes every gradient first. Memory follows XLA's order.
+    gradient; the jaxpr computes every gradient first. Memory follows XLA's order. An update that
+    writes a donated argument's buffer in place still waits for every other reader of the old
+    value (the backward pass may read a weight after its gradient exists).
     """
     nodes = list(grouping.planned_nodes())
     graph = grouping.graph
@@ -65,6 +81,7 @@ def schedule(grouping: Grouping) -> list[OpNode]:
         for b in nodes_by_primitive(graph, GRAD_BOUNDARY)
         for reader, _ in graph.consumers(b.id)
     }
+    old_value_readers = _in_place_updates(grouping, signature, nodes)
     time: dict[str, float] = {}
     keys = []
     for index, node in enumerate(nodes):
@@ -72,7 +89,8 @@ def schedule(grouping: Grouping) -> list[OpNode]:
             producers = [
                 time[v[0]] for r in node.inputs if (v := grouping.value_of(r)) and v[0] is not None
             ]
-            time[node.id] = max(producers, default=-1.0)
+            readers = [time[r] for r in old_value_readers.get(node.id, ()) if r in time]
+            time[node.id] = max(producers + readers, default=-1.0)
             after_grads.update(reader for reader, _ in graph.consumers(node.id))
         else:
             time[node.id] = float(index)
@@ -80,12 +98,26 @@ def schedule(grouping: Grouping) -> list[OpNode]:
     return [nodes[i] for _, i in sorted(keys)]
 
 
-def liveness(grouping: Grouping, signature: StepSignature) -> Liveness:
-    """Live ranges of the materialized temporary buffers of the step, in `schedule` order."""
-    nodes = schedule(grouping)
-    step_of = {n.id: t for t, n in enumerate(nodes)}
-    graph = grouping.graph
-    buffer: dict[Value, Value] = {}  # value -> the value whose buffer it is (through aliases)
+def _in_place_updates(
+    grouping: Grouping, signature: StepSignature, nodes: list[OpNode]
+) -> dict[str, list[str]]:
+    """For each node whose output reuses a donated argument's buffer: the argument's readers."""
+    _, readers = _buffers(grouping, nodes)
+    updates: dict[str, list[str]] = {}
+    for j, i in enumerate(signature.output_to_input):
+        value = grouping.value_of(grouping.graph.outputs[j])
+        if i is None or i not in signature.donated_inputs or value is None or value[0] is None:
+            continue
+        writer = value[0]
+        updates[writer] = [r for r in readers.get((None, i), []) if r != writer]
+    return updates
+
+
+def _buffers(
+    grouping: Grouping, nodes: list[OpNode]
+) -> tuple[dict[Value, Value], dict[Value, list[str]]]:
+    """(value -> the value whose buffer it is, through `_ALIASES`; buffer -> its readers)."""
+    buffer: dict[Value, Value] = {}
     readers: dict[Value, list[str]] = {}
     for n in nodes:
         operands = [grouping.value_of(ref) for ref in n.inputs]
@@ -94,6 +126,20 @@ def liveness(grouping: Grouping, signature: StepSignature) -> Liveness:
                 readers.setdefault(buffer.get(value, value), []).append(n.id)
         if n.primitive in _ALIASES and operands[0] is not None:
             buffer[(n.id, 0)] = buffer.get(operands[0], operands[0])
+    return buffer, readers
+
+
+def liveness(
+    grouping: Grouping, signature: StepSignature, *, dot_operand_copies: bool = False
+) -> Liveness:
+    """Live ranges of the materialized temporary buffers of the step, in `schedule` order.
+
+    A fused op runs inside the fusion of its reader, so its operands live until that reader runs.
+    """
+    nodes = schedule(grouping, signature)
+    step_of = {n.id: t for t, n in enumerate(nodes)}
+    graph = grouping.graph
+    buffer, readers = _buffers(grouping, nodes)
     outputs = [grouping.value_of(ref) for ref in graph.outputs]
     output_set = {buffer.get(v, v) for v in outputs if v is not None}
     aliased = {
@@ -101,29 +147,102 @@ def liveness(grouping: Grouping, signature: StepSignature) -> Liveness:
         for j, i in enumerate(signature.output_to_input)
         if i is not None and i in signature.donated_inputs
     }
-    temporaries = []
+
+    fused: set[Value] = set()  # computed inside each reader's fusion
+    costly: dict[str, bool] = {}  # the op with what fuses into it: too costly to compute twice
     for n in nodes:
-        for o in range(len(n.out_avals)):
-            value = (n.id, o)
-            if value in buffer or value in output_set:
-                continue
+        operands = [v for v in map(grouping.value_of, n.inputs) if v and v[0] is not None]
+        costly[n.id] = n.primitive in _EXPENSIVE or any(
+            v in fused and costly[v[0]] for v in operands
+        )
+        for value in ((n.id, o) for o in range(len(n.out_avals))):
             users = readers.get(value, [])
-            if not users:
+            if value in buffer or value in output_set or not users or n.primitive not in _FUSED:
                 continue
-            fusing = all(graph.node(u).primitive in _FUSES_OPERANDS for u in users)
-            fused = n.primitive in _FUSED and (
-                all(not a.shape for a in n.in_avals)  # a constant: XLA recomputes it at each use
-                or (fusing and (len(users) == 1 or n.primitive == "broadcast_in_dim"))
-            )
-            if not fused:
-                temporaries.append((value, step_of[n.id], max(step_of[u] for u in users)))
+            if all(not a.shape for a in n.in_avals) or (  # a constant: recomputed at each use
+                all(graph.node(u).primitive in _FUSES_OPERANDS for u in users)
+                and (len(users) == 1 or not costly[n.id])
+            ):
+                fused.add(value)
+    run_step: dict[str, int] = {}  # when a node's result is computed: fused ops in their reader
+    materialized: list[Value] = []  # in reverse schedule order
+    for n in reversed(nodes):
+        used = [v for o in range(len(n.out_avals)) if readers.get(v := (n.id, o))]
+        used = [v for v in used if v not in buffer]
+        if used and all(v in fused for v in used):
+            run_step[n.id] = max(run_step[u] for v in used for u in readers[v])
+        else:
+            run_step[n.id] = step_of[n.id]
+            materialized += [v for v in reversed(used) if v not in output_set]
+    materialized.reverse()
+    last_use = {v: max(run_step[u] for u in users) for v, users in readers.items()}
+    ends = {v: last_use[v] for v in materialized}
+    ending: dict[int, list[Value]] = {}
+    for v in materialized:
+        ending.setdefault(ends[v], []).append(v)
+    for v in materialized:  # an element-wise fusion writes over an operand that dies there
+        n, t = graph.node(v[0]), step_of[v[0]]
+        if n.primitive in _FUSED:
+            aval = n.out_avals[v[1]]
+            for u in ending.get(t, ()):
+                if ends[u] == t and value_aval(grouping, u) == aval:
+                    ends[u] = t - 1
+                    break
+    temporaries = [(v, step_of[v[0]], ends[v]) for v in materialized]
+    if dot_operand_copies:
+        temporaries += [
+            (value, step_of[n.id], step_of[n.id])
+            for n in nodes
+            if n.primitive == "dot_general"
+            for value in _copied_dot_operands(grouping, n)
+        ]
     extra_outputs = tuple(
         v
         for j, v in enumerate(outputs)
         if v is not None and v not in aliased and v not in outputs[:j]
     )
-    last_use = {v: max(step_of[u] for u in users) for v, users in readers.items()}
-    return Liveness(tuple(temporaries), len(nodes), extra_outputs, step_of, last_use)
+    return Liveness(
+        tuple(temporaries), len(nodes), extra_outputs, step_of, last_use, frozenset(fused)
+    )
+
+
+def _copied_dot_operands(grouping: Grouping, node: OpNode) -> list[Value]:
+    """The operands of a dot that XLA's CPU backend copies into matmul order first.
+
+    Its dot emitter multiplies [batch, rows, contracting] by [batch, contracting, columns]
+    buffers, or a plain 2-D matrix in either order (a transposed GEMM). Any other operand is
+    transposed into a new buffer of its full size, unless a fusion writes it (then in the order
+    the dot wants). Transposes fold into the dot, so the order that counts is the buffer's.
+    """
+    (contract, batch) = node.params["dimension_numbers"]
+    copied = []
+    for side, ref in enumerate(node.inputs):
+        value = grouping.value_of(ref)
+        if value is None:
+            continue
+        order = list(range(len(node.in_avals[side].shape)))  # buffer position of each dim
+        while value[0] is not None and (producer := grouping.graph.node(value[0])).primitive in (
+            "transpose",
+            "autopar_param_use",
+        ):
+            if producer.primitive == "transpose":
+                order = [producer.params["permutation"][d] for d in order]
+            value = grouping.value_of(producer.inputs[0])
+            if value is None:
+                break
+        if value is None or (
+            value[0] is not None and grouping.graph.node(value[0]).primitive in _FUSED
+        ):
+            continue
+        b, c = list(batch[side]), list(contract[side])
+        free = [d for d in range(len(order)) if d not in b and d not in c]
+        stored = sorted(range(len(order)), key=order.__getitem__)  # dims in buffer order
+        matmul = [b + free + c] if side == 0 else [b + c + free]
+        if len(free) == 1 and len(c) == 1:
+            matmul.append(b + c + free if side == 0 else b + free + c)
+        if stored not in matmul:
+            copied.append(grouping.value_of(ref))
+    return copied
 
 
 def value_aval(grouping: Grouping, value: Value) -> TensorInfo:

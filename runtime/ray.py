@@ -176,7 +176,10 @@ def _cluster_spec(
                 *found,
             )
             return dataclasses.replace(
-                ClusterSpec.local(found[1]), num_hosts=found[0], name=f"ray-{found[0]}x{found[1]}"
+                ClusterSpec.local(found[1]),
+                num_hosts=found[0],
+                name=f"ray-{found[0]}x{found[1]}",
+                platform="gpu",
             )
         if cluster_spec.physical_mesh_shape != found:
             raise InvalidArgumentError(

@@ -96,6 +96,7 @@ def test_unknown_preset_lists_known_ones(name):
         ("intra_host_latency", -1e-6),
         ("inter_host_latency", float("nan")),
         ("name", ""),
+        ("platform", "tpu"),
     ],
 )
 def test_validation_names_field_and_value(field, value):
@@ -153,6 +154,7 @@ def test_with_devices_and_local():
         ClusterSpec.preset("4x8xA100-80G").with_devices(1, 16)
     local = ClusterSpec.local(8)
     assert local.physical_mesh_shape == (1, 8) and local.name == "local-8"
+    assert local.platform == "cpu" and all(p.platform == "gpu" for p in PRESETS.values())
     with pytest.raises(dataclasses.FrozenInstanceError):
         local.num_hosts = 2
 
