@@ -18,6 +18,7 @@ On the CPU backend, a dot operand not laid out the way its matmul reads it is fi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from autopar.markers import GRAD_BOUNDARY
 from autopar.planner.follow_rules import ELEMENTWISE
@@ -66,13 +67,14 @@ class Liveness:
     fused: frozenset[Value]  # computed inside each reader's fusion: never a buffer
 
 
-def schedule(grouping: Grouping, signature: StepSignature) -> list[OpNode]:
+def schedule(grouping: Grouping, old_value_readers: dict[str, list[str]]) -> list[OpNode]:
     """Program order, except that what follows the gradients (the update) runs as early as it can.
 
     XLA's scheduler updates each parameter as soon as its gradient exists, which frees the
     gradient; the jaxpr computes every gradient first. Memory follows XLA's order. An update that
     writes a donated argument's buffer in place still waits for every other reader of the old
-    value (the backward pass may read a weight after its gradient exists).
+    value (the backward pass may read a weight after its gradient exists): `old_value_readers`
+    maps each such update to those readers (`_in_place_updates`).
     """
     nodes = list(grouping.planned_nodes())
     graph = grouping.graph
@@ -81,7 +83,6 @@ def schedule(grouping: Grouping, signature: StepSignature) -> list[OpNode]:
         for b in nodes_by_primitive(graph, GRAD_BOUNDARY)
         for reader, _ in graph.consumers(b.id)
     }
-    old_value_readers = _in_place_updates(grouping, signature, nodes)
     time: dict[str, float] = {}
     keys = []
     for index, node in enumerate(nodes):
@@ -99,10 +100,9 @@ def schedule(grouping: Grouping, signature: StepSignature) -> list[OpNode]:
 
 
 def _in_place_updates(
-    grouping: Grouping, signature: StepSignature, nodes: list[OpNode]
+    grouping: Grouping, signature: StepSignature, readers: dict[Value, list[str]]
 ) -> dict[str, list[str]]:
     """For each node whose output reuses a donated argument's buffer: the argument's readers."""
-    _, readers = _buffers(grouping, nodes)
     updates: dict[str, list[str]] = {}
     for j, i in enumerate(signature.output_to_input):
         value = grouping.value_of(grouping.graph.outputs[j])
@@ -114,7 +114,7 @@ def _in_place_updates(
 
 
 def _buffers(
-    grouping: Grouping, nodes: list[OpNode]
+    grouping: Grouping, nodes: Iterable[OpNode]
 ) -> tuple[dict[Value, Value], dict[Value, list[str]]]:
     """(value -> the value whose buffer it is, through `_ALIASES`; buffer -> its readers)."""
     buffer: dict[Value, Value] = {}
@@ -136,10 +136,10 @@ def liveness(
 
     A fused op runs inside the fusion of its reader, so its operands live until that reader runs.
     """
-    nodes = schedule(grouping, signature)
+    buffer, readers = _buffers(grouping, grouping.planned_nodes())
+    nodes = schedule(grouping, _in_place_updates(grouping, signature, readers))
     step_of = {n.id: t for t, n in enumerate(nodes)}
     graph = grouping.graph
-    buffer, readers = _buffers(grouping, nodes)
     outputs = [grouping.value_of(ref) for ref in graph.outputs]
     output_set = {buffer.get(v, v) for v in outputs if v is not None}
     aliased = {
@@ -167,8 +167,8 @@ def liveness(
     run_step: dict[str, int] = {}  # when a node's result is computed: fused ops in their reader
     materialized: list[Value] = []  # in reverse schedule order
     for n in reversed(nodes):
-        used = [v for o in range(len(n.out_avals)) if readers.get(v := (n.id, o))]
-        used = [v for v in used if v not in buffer]
+        values = ((n.id, o) for o in range(len(n.out_avals)))
+        used = [v for v in values if v not in buffer and readers.get(v)]
         if used and all(v in fused for v in used):
             run_step[n.id] = max(run_step[u] for v in used for u in readers[v])
         else:
