@@ -3,12 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e ".[test]"
+	$(VENV)/bin/pip install -q -e ".[test,clients]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,6 +33,9 @@ bench-ray: $(STAMP)
 
 bench-suite: $(STAMP)
 	$(VENV)/bin/python benchmarks/run.py
+
+bench-fuzz: $(STAMP)
+	$(VENV)/bin/python benchmarks/fuzz.py --cases 300
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,9 @@
 """The one place autopar reaches into jax internals (`jax._src`); everything else uses public jax.
 
-Needed to re-emit a differentiated `checkpoint` (remat) eqn with its original parameters: the public
-`jax.checkpoint` always records ``differentiated=False``, and only differentiated remats get the
-optimization barrier that stops XLA from merging the backward recomputation with the forward pass.
+Needed to name the user's source line of an eqn in errors, and to re-emit a differentiated
+`checkpoint` (remat) eqn with its original parameters: the public `jax.checkpoint` always records
+``differentiated=False``, and only differentiated remats get the optimization barrier that stops
+XLA from merging the backward recomputation with the forward pass.
 """
 
 from __future__ import annotations
@@ -23,3 +24,20 @@ def bind_checkpoint(
     jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     new_params = {k: v for k, v in params.items() if k != "jaxpr"}
     return remat_p.bind(*closed.consts, *args, jaxpr=jaxpr, **new_params)
+
+
+def source_scope(eqn: Any) -> Any:
+    """A context in which new eqns get `eqn`'s source info (re-traced eqns keep the user's
+    source line)."""
+    from jax._src import source_info_util
+
+    info = eqn.source_info
+    return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+
+
+def source_line(eqn: Any) -> str | None:
+    """The user's source line that created `eqn` ("file.py:12 (fn)"), where JAX recorded it."""
+    from jax._src import source_info_util
+
+    summary = source_info_util.summarize(eqn.source_info)
+    return None if not summary or summary.startswith("unknown") else summary

@@ -37,11 +37,13 @@ from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import (
+    ArrayTree,
     TracedStep,
     abstract_arguments,
     abstract_value,
     argument_names,
     check_batch_leaves,
+    is_traced_leaf,
     resolve_argnums,
     trace_step,
 )
@@ -258,6 +260,20 @@ def _shape_key(x: Any) -> tuple:
     return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 
+def _unhashable(names: Sequence[str], args: Sequence[Any], static: tuple[int, ...]) -> str:
+    """The path of the first static argument or static leaf that cannot be hashed."""
+    for i, arg in enumerate(args):
+        pairs = [((), arg)] if i in static else jax.tree_util.tree_flatten_with_path(arg)[0]
+        for path, x in pairs:
+            if i not in static and is_traced_leaf(x):
+                continue
+            try:
+                hash(x)
+            except TypeError:
+                return f"{names[i]}{jax.tree_util.keystr(path)}"
+    return "an argument"
+
+
 class ParallelizedFunc:
     """A train step wrapped by `autopar.parallelize`. Executables are cached per input shapes."""
 
@@ -308,16 +324,20 @@ class ParallelizedFunc:
 
     def _key(self, args: Sequence[Any], static: tuple[int, ...]) -> Any:
         dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        tree = ArrayTree.of(dynamic)
+        leaves = tree.flatten(dynamic)
         statics = tuple((i, args[i]) for i in static)
         try:
-            hash(statics)
-            avals = tuple(_shape_key(x) for x in leaves)
+            hash((statics, tree))
         except TypeError as e:
             self._check_batch(args)  # names the offending batch leaf, if it is one
+            where = _unhashable(argument_names(self.fun, len(args)), args, static)
             raise InvalidArgumentError(
-                f"arguments must be arrays, or static (static_argnums) and hashable: {e}"
+                f"{where} is neither an array nor hashable ({e}): "
+                "arguments' leaves must be arrays or numbers (traced), or hashable values "
+                "that are part of the program (static_argnums, or non-array leaves)"
             ) from e
+        avals = tuple(_shape_key(x) for x in leaves)
         return (static, statics, tree, avals), leaves
 
     def _check_batch(self, args: Sequence[Any]) -> None:

@@ -149,10 +149,21 @@ def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
+def _differentiable(x: Any) -> bool:
+    """Whether `value_and_grad` differentiates a leaf: float arrays and Python floats."""
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.numpy.inexact)
+
+
 def value_and_grad(
     fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **jax_kwargs: Any
 ) -> Callable:
     """Like `jax.value_and_grad`, and marks parameter uses and the gradient boundary for autopar.
+
+    Leaves that are not float arrays (an equinox Module's functions, integer counters, PRNG
+    keys) are held constant and get `None` gradients, as `equinox.filter_value_and_grad` does.
 
     Example::
 
@@ -162,22 +173,30 @@ def value_and_grad(
 
     def wrapped(*args: Any, **kwargs: Any):
         state = _TRACE_STATE.get() or _TraceState()
-        leaves, treedefs, first_index = [], [], state.next_param_index
-        for num in nums:
-            arg_leaves, treedef = jax.tree_util.tree_flatten(args[num])
-            leaves.append(arg_leaves)
-            treedefs.append(treedef)
-        total = sum(len(x) for x in leaves)
+        first_index = state.next_param_index
+        trees = [jax.tree_util.tree_flatten(args[num]) for num in nums]
+        masks = [[_differentiable(x) for x in leaves] for leaves, _ in trees]
+        diff_leaves = [
+            [x for x, d in zip(leaves, mask, strict=True) if d]
+            for (leaves, _), mask in zip(trees, masks, strict=True)
+        ]
+        total = sum(map(len, diff_leaves))
         state.next_param_index += total
+
+        def rebuild(k: int, diff: Sequence[Any]) -> Any:
+            """Argument nums[k] with `diff` in place of its differentiated leaves."""
+            leaves, treedef = trees[k]
+            diff = iter(diff)
+            merged = [next(diff) if d else x for x, d in zip(leaves, masks[k], strict=True)]
+            return jax.tree_util.tree_unflatten(treedef, merged)
 
         def marked(*diff_args: Any, **kw: Any):
             index = first_index
             full_args = list(args)
-            for num, arg, treedef in zip(nums, diff_args, treedefs, strict=True):
-                arg_leaves = jax.tree_util.tree_leaves(arg)
-                used = [param_use_p.bind(x, index=index + k) for k, x in enumerate(arg_leaves)]
-                index += len(arg_leaves)
-                full_args[num] = jax.tree_util.tree_unflatten(treedef, used)
+            for k, (num, diff) in enumerate(zip(nums, diff_args, strict=True)):
+                used = [param_use_p.bind(x, index=index + j) for j, x in enumerate(diff)]
+                index += len(diff)
+                full_args[num] = rebuild(k, used)
             return fun(*full_args, **kw)
 
         def with_kwargs(*diff_args: Any):
@@ -189,22 +208,27 @@ def value_and_grad(
 
         value, grads = jax.value_and_grad(
             inner, argnums=tuple(range(len(nums))), has_aux=has_aux, **jax_kwargs
-        )(*(args[n] for n in nums))
+        )(*diff_leaves)
         value_leaves, value_tree = jax.tree_util.tree_flatten(value)
-        grad_leaves, grad_tree = jax.tree_util.tree_flatten(grads)
+        grad_leaves = [g for per_arg in grads for g in per_arg]
         grad_of = (-1,) * len(value_leaves) + tuple(range(first_index, first_index + total))
-        if len(grad_leaves) != total:
-            raise ValueError(
-                f"autopar.grad: expected {total} gradient leaves, got {len(grad_leaves)}"
-            )
         marked_out = grad_boundary_p.bind(*value_leaves, *grad_leaves, grad_of=grad_of)
         value = jax.tree_util.tree_unflatten(value_tree, marked_out[: len(value_leaves)])
-        grads = jax.tree_util.tree_unflatten(grad_tree, marked_out[len(value_leaves) :])
+        grad_iter = iter(marked_out[len(value_leaves) :])
+        grads = tuple(
+            _grad_tree(treedef, mask, grad_iter)
+            for (_, treedef), mask in zip(trees, masks, strict=True)
+        )
         if isinstance(argnums, int):
             grads = grads[0]
         return value, grads
 
     return wrapped
+
+
+def _grad_tree(treedef: Any, mask: Sequence[bool], grads: Iterator[Any]) -> Any:
+    """The gradient tree of one argument: its gradients where differentiated, else None."""
+    return jax.tree_util.tree_unflatten(treedef, [next(grads) if d else None for d in mask])
 
 
 def grad(

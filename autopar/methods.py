@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from autopar.options import (
+    LAYER_OPTION_NAMES,
+    STAGE_OPTION_NAMES,
     AutoShardingOption,
     AutoStageOption,
     LayerOption,
@@ -124,9 +126,10 @@ class PipeshardParallel:
         list of jax devices (one host), or a 2-D `jax.sharding.Mesh` taken as (hosts, devices).
       num_micro_batches: micro-batches per step; must divide the batch.
       layer_option: `ManualLayerOption()` (layers from `autopar.mark_pipeline_boundary()`) or
-        `AutoLayerOption(layer_num)` (FLOP-balanced clustering).
+        `AutoLayerOption(layer_num)` (FLOP-balanced clustering); Alpa's strings "manual" and
+        "auto" (`AutoLayerOption(layer_num=2)`, Alpa's default) are accepted.
       stage_option: `UniformStageOption(num_stages)`, `AutoStageOption()` (Alpa's DP) or
-        `ManualStageOption(...)`.
+        `ManualStageOption(...)`; or Alpa's strings "uniform" and "auto".
       pipeline_schedule: "1f1b" (at most n-i micro-batches in flight on stage i) or "gpipe".
       auto_sharding_option: options of each stage's intra-op ILP.
     """
@@ -142,6 +145,16 @@ class PipeshardParallel:
         _check_micro_batches(self.num_micro_batches)
         if self.num_micro_batches is None:
             raise InvalidArgumentError("num_micro_batches must be a positive int, got None")
+        named_options = (("layer_option", LAYER_OPTION_NAMES), ("stage_option", STAGE_OPTION_NAMES))
+        for name, named in named_options:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value not in named:
+                    raise InvalidArgumentError(
+                        f"{name}={value!r} is not one of {tuple(named)} (Alpa's names) nor an "
+                        "option object"
+                    )
+                object.__setattr__(self, name, named[value]())
         checks = (
             ("layer_option", LayerOption),
             ("stage_option", StageOption),
@@ -293,14 +306,17 @@ def method_mesh(
 
     DataParallel and friends use one axis "data". ShardParallel on the whole of a multi-host
     cluster uses the physical (hosts, devices per host) mesh with axes ("x", "y"), else one
-    axis "x". PipeshardParallel gets the (hosts, devices per host) grid its stages slice. A
-    `jax.sharding.Mesh` is used as it is. FollowParallel uses the mesh of the step it follows.
+    axis "x". PipeshardParallel gets the (hosts, devices per host) grid its stages slice (a 1-D
+    mesh or device list as the devices of the cluster's hosts, or of one host). Other methods use
+    a `jax.sharding.Mesh` as it is. FollowParallel uses the mesh of the step it follows.
     """
     if isinstance(method, FollowParallel):
         return method_mesh(method.src.method, cluster, devices)
     if isinstance(method.devices, Mesh):
-        return resolve_devices(method.devices, ())
-    if method.devices is None and devices is None:
+        mesh, run_on = resolve_devices(method.devices, ())
+        if not isinstance(method, PipeshardParallel):
+            return mesh, run_on
+    elif method.devices is None and devices is None:
         n = cluster.num_devices
         mesh, run_on = MeshPlan((n,), ("data",), tuple(range(n))), ()
     else:

@@ -227,3 +227,7 @@ class ManualStageOption:
 
 LayerOption = ManualLayerOption | AutoLayerOption
 StageOption = AutoStageOption | UniformStageOption | ManualStageOption
+
+# Alpa's string forms of the pipeline options, converted once by `PipeshardParallel`.
+LAYER_OPTION_NAMES = {"manual": ManualLayerOption, "auto": lambda: AutoLayerOption(layer_num=2)}
+STAGE_OPTION_NAMES = {"auto": AutoStageOption, "uniform": UniformStageOption}

@@ -19,11 +19,23 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from autopar._jax_compat import source_scope
 from autopar.layering import layered
 from autopar.markers import tracing_scope
 from autopar.options import LayerOption
 from autopar.planner.errors import InvalidArgumentError, TracingError
-from autopar.planner.graph import TensorInfo, build_graph, inlined_body, is_checkpoint
+from autopar.planner.graph import (
+    TensorInfo,
+    build_graph,
+    inlined_body,
+    is_checkpoint,
+    tensor_info,
+)
+from autopar.planner.micro_batches import (
+    check_mean_loss,
+    hoist_batch_reads,
+    recompute_for_update,
+)
 from autopar.planner.program import Program, StepSignature
 
 _TRACER_ERRORS = (
@@ -34,6 +46,51 @@ _TRACER_ERRORS = (
 )
 
 
+def is_traced_leaf(x: Any) -> bool:
+    """Whether a pytree leaf is traced (an array, or a Python number, traced weakly typed).
+    Other leaves (an equinox Module's functions and flags, strings) are static, as
+    `eqx.filter_jit` has them: part of the program, not inputs of it."""
+    if isinstance(x, bool):
+        return False
+    return _is_array_like(x) or isinstance(x, int | float | complex)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayTree:
+    """A pytree's structure with its static leaves held aside (see `is_traced_leaf`):
+    `flatten` gives the traced leaves, `unflatten` puts the static ones back."""
+
+    treedef: Any
+    statics: tuple[tuple[int, Any], ...]  # (position among all leaves, value)
+
+    @classmethod
+    def of(cls, tree: Any) -> ArrayTree:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        statics = tuple((i, x) for i, x in enumerate(leaves) if not is_traced_leaf(x))
+        return cls(treedef, statics)
+
+    @property
+    def num_leaves(self) -> int:
+        """How many traced leaves the tree has."""
+        return self.treedef.num_leaves - len(self.statics)
+
+    def flatten(self, tree: Any) -> list[Any]:
+        """The traced leaves of `tree` (shaped like this one), in order."""
+        static = {i for i, _ in self.statics}
+        return [x for i, x in enumerate(jax.tree_util.tree_leaves(tree)) if i not in static]
+
+    def unflatten(self, values: Sequence[Any], *, with_statics: bool = True) -> Any:
+        """The tree with `values` as its traced leaves; static leaves are put back (or None,
+        for trees of shardings)."""
+        values = iter(values)
+        statics = dict(self.statics)
+        leaves = [
+            (statics[i] if with_statics else None) if i in statics else next(values)
+            for i in range(self.treedef.num_leaves)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
     """A traced step: the canonical jaxpr, its program view, and how to (un)flatten arguments."""
@@ -41,8 +98,8 @@ class TracedStep:
     fun_name: str
     closed_jaxpr: ClosedJaxpr
     program: Program
-    in_tree: Any
-    out_tree: Any
+    in_tree: ArrayTree
+    out_tree: ArrayTree
     static_argnums: tuple[int, ...]
     num_micro_batches: int
 
@@ -114,7 +171,8 @@ def resolve_argnums(
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Resolve "auto" argnums and check ranges. Returns (static, batch, donate).
 
-    "auto" static: arguments whose leaves are not arrays or numbers (a string, a callable...).
+    "auto" static: arguments with no array or number leaf (a string, a callable, a config); the
+    non-array leaves of other arguments (an equinox Module's functions) are static leaves.
     "auto" donate: every argument that is neither static nor a batch (the train state), as Alpa did.
     """
     n = len(args)
@@ -123,11 +181,7 @@ def resolve_argnums(
         static = tuple(
             i
             for i, a in enumerate(args)
-            if i not in batch
-            and any(
-                not (_is_array_like(x) or isinstance(x, (int, float, complex, bool)))
-                for x in jax.tree_util.tree_leaves(a)
-            )
+            if i not in batch and not any(map(is_traced_leaf, jax.tree_util.tree_leaves(a)))
         )
     else:
         static = _check_argnums("static_argnums", static_argnums, n)
@@ -195,7 +249,8 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
             if body is not None:
                 outs = evaluate(body[0], body[1], *invals)
             else:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                with source_scope(eqn):
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
             env.update(zip(eqn.outvars, outs, strict=True))
@@ -241,7 +296,10 @@ def trace_step(
         check_batch_leaves(names[i], args[i], num_micro_batches)
     dynamic = [i for i in range(len(args)) if i not in static_argnums]
     dyn_args = tuple(args[i] for i in dynamic)
-    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
+    in_tree = ArrayTree.of(dyn_args)
+    leaves_with_paths = [
+        (p, x) for p, x in jax.tree_util.tree_flatten_with_path(dyn_args)[0] if is_traced_leaf(x)
+    ]
     batch_leaf = [dynamic[p[0].idx] in batch_argnums for p, _ in leaves_with_paths]
     in_avals = [
         _micro_batch_aval(_unsharded_aval(leaf), num_micro_batches)
@@ -254,14 +312,14 @@ def trace_step(
     out_tree_box: list[Any] = []
 
     def traced(*flat):
-        dyn = jax.tree_util.tree_unflatten(in_tree, flat)
+        dyn = in_tree.unflatten(flat)
         full = list(args)
         for i, value in zip(dynamic, dyn, strict=True):
             full[i] = value
         out = fun(*full)
-        leaves, tree = jax.tree_util.tree_flatten(out)
-        out_tree_box.append(tree)
-        return leaves
+        out_tree = ArrayTree.of(out)
+        out_tree_box.append(out_tree)
+        return out_tree.flatten(out)
 
     try:
         transform = functools.partial(layered, option=layer_option) if layer_option else None
@@ -275,22 +333,23 @@ def trace_step(
             "jax.lax.while_loop or jnp.where for data-dependent control flow, or pass the value "
             "as a static argument with static_argnums=(...)."
         ) from e
-    closed = inline_calls(raw)
     out_tree = out_tree_box[0]
-
     arg_of_leaf = [dynamic[p[0].idx] for p, _ in leaves_with_paths]
     input_paths = tuple(
         f"{names[arg_of_leaf[k]]}{_strip_first_key(p)}"
         for k, (p, _) in enumerate(leaves_with_paths)
     )
-    in_infos = tuple(TensorInfo(tuple(a.shape), np.dtype(a.dtype)) for a in in_avals)
-    out_infos = tuple(
-        TensorInfo(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in closed.jaxpr.outvars
-    )
+    batch_inputs = tuple(k for k, a in enumerate(arg_of_leaf) if a in batch_argnums)
+    closed = inline_calls(raw)
+    if num_micro_batches > 1 or layer_option is not None:
+        closed = recompute_for_update(hoist_batch_reads(closed, batch_inputs, input_paths))
+        check_mean_loss(closed, batch_inputs, num_micro_batches)
+    in_infos = tuple(tensor_info(a) for a in in_avals)
+    out_infos = tuple(tensor_info(v.aval) for v in closed.jaxpr.outvars)
     out_paths_raw = [
         p
         for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(out_tree, list(range(out_tree.num_leaves)))
+            out_tree.unflatten(range(out_tree.num_leaves), with_statics=False)
         )[0]
     ]
     output_paths = tuple(f"out{jax.tree_util.keystr(p)}" for p in out_paths_raw)
@@ -315,7 +374,7 @@ def trace_step(
         output_paths=output_paths,
         input_avals=in_infos,
         output_avals=out_infos,
-        batch_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in batch_argnums),
+        batch_inputs=batch_inputs,
         donated_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in donate_argnums),
         output_to_input=output_to_input,
     )

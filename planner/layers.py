@@ -12,7 +12,6 @@ it is needed instead of being passed along from the first layer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,15 +19,14 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from autopar.markers import PIPELINE_BOUNDARY
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.graph import eqn_flops
+from autopar.planner.graph import eqn_flops, tensor_info
 
 HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 DEFAULT_IMBALANCE = 0.5  # Alpa's δ: a layer may hold up to (1+δ) times the average FLOPs
 
 
 def _nbytes(var: Var) -> int:
-    aval = var.aval
-    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    return tensor_info(var.aval).nbytes
 
 
 def _floating(jaxpr: Jaxpr) -> list[bool]:

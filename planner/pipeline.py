@@ -38,6 +38,7 @@ from jax.extend.core import (
 from autopar.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.errors import PlanningError
 from autopar.planner.graph import build_graph, tensor_info
+from autopar.planner.micro_batches import ancestors, describe_eqn
 from autopar.planner.program import Program, StepSignature
 
 
@@ -54,22 +55,6 @@ class StepParts:
     @property
     def num_layers(self) -> int:
         return len(self.forward)
-
-
-def _producers(eqns: Sequence[JaxprEqn]) -> dict[Var, int]:
-    return {v: i for i, e in enumerate(eqns) for v in e.outvars}
-
-
-def _ancestors(roots: Sequence[object], producer: dict[Var, int], eqns: Sequence[JaxprEqn]) -> set:
-    """Indices of the eqns that `roots` are computed from."""
-    found: set[int] = set()
-    stack = [v for v in roots if isinstance(v, Var)]
-    while stack:
-        i = producer.get(stack.pop())
-        if i is not None and i not in found:
-            found.add(i)
-            stack.extend(v for v in eqns[i].invars if isinstance(v, Var))
-    return found
 
 
 def split_step(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> StepParts:
@@ -97,8 +82,8 @@ def split_step(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> StepParts:
             "differentiate the loss with autopar.grad / autopar.value_and_grad"
         )
     num_layers = max(forward_markers)
-    needed = _ancestors(eqns[b].invars, _producers(eqns[:b]), eqns)
-    live = _ancestors(closed.jaxpr.outvars, _producers(eqns), eqns)  # the rest is dead code
+    needed = ancestors(eqns[b].invars, eqns)
+    live = ancestors(closed.jaxpr.outvars, eqns)  # the rest is dead code
     forward: list[list[int]] = [[] for _ in range(num_layers)]
     backward: list[list[int]] = [[] for _ in range(num_layers)]
     apply: list[int] = []
@@ -118,8 +103,8 @@ def split_step(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> StepParts:
                 continue
             elif kind != "backward":
                 raise PlanningError(
-                    f"eqn {i}: a layer boundary of kind {kind!r} in the step; forward-mode "
-                    "differentiation (jax.jvp) of a layered loss cannot be pipelined"
+                    f"{describe_eqn(eqn)}: a layer boundary of kind {kind!r} in the step; "
+                    "forward-mode differentiation (jax.jvp) of a layered loss cannot be pipelined"
                 )
         if i in needed or eqn.primitive is layer_boundary_p:
             part[layer].append(i)
@@ -138,13 +123,13 @@ def _check_apply_reads(parts: StepParts, batch_inputs: Sequence[int]) -> None:
     jaxpr = parts.closed.jaxpr
     eqns = jaxpr.eqns
     per_micro_batch = {
-        v: f"'{eqns[i].primitive}' (eqn {i})"
+        v: describe_eqn(eqns[i])
         for part in (*parts.forward, *parts.backward)
         for i in part
         for v in eqns[i].outvars
     }
-    per_micro_batch.update((jaxpr.invars[i], f"batch input {i}") for i in batch_inputs)
-    readers = [(f"'{eqns[i].primitive}' (eqn {i})", eqns[i].invars) for i in parts.apply]
+    per_micro_batch.update((jaxpr.invars[i], "a batch input") for i in batch_inputs)
+    readers = [(describe_eqn(eqns[i]), eqns[i].invars) for i in parts.apply]
     readers.append(("the step's outputs", jaxpr.outvars))
     for who, invars in readers:
         for v in invars:
@@ -212,7 +197,10 @@ def place_stages(parts: StepParts, layer_ranges: Sequence[tuple[int, int]]) -> S
     output_stage: list[int | None] = []
     shared_out = {v for i in shared for v in eqns[i].outvars}
     for v in parts.closed.jaxpr.outvars:
-        if isinstance(v, Var) and v in shared_out:
+        if not isinstance(v, Var):  # a constant result: no stage makes it
+            output_stage.append(None)
+            continue
+        if v in shared_out:
             readers.setdefault(v, set()).add(0)  # a result nobody else reads: stage 0 makes it
         output_stage.append(stage_of.get(v, 0 if v in shared_out else None))
     runs_on: dict[int, set[int]] = {}

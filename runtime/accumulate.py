@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from autopar.markers import grad_boundary_p
 from autopar.planner.errors import PlanningError
+from autopar.planner.micro_batches import describe_eqn
 from autopar.runtime.interpreter import (
     ShardingRules,
     constrain,
@@ -75,7 +76,7 @@ def split_at_grad_boundary(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> 
         if i != b and any(v in from_batch for v in e.invars if not isinstance(v, Literal)):
             if i in apply:
                 raise PlanningError(
-                    f"with num_micro_batches > 1, '{e.primitive}' (eqn {i}) uses a value computed "
+                    f"with num_micro_batches > 1, {describe_eqn(e)} uses a value computed "
                     "from the batch after the gradient computation; return that value from the "
                     "loss function as aux (has_aux=True) so it is accumulated"
                 )

@@ -76,7 +76,7 @@ class Executable:
         return tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
 
     def __call__(self, *args: Any) -> Any:
-        return self.call_flat(jax.tree_util.tree_leaves(self._dynamic(args)))
+        return self.call_flat(self._in_tree.flatten(self._dynamic(args)))
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
         """Run on the flattened dynamic arguments; returns the outputs as a pytree."""
@@ -85,7 +85,7 @@ class Executable:
             for x, s, donated in zip(flat, self._flat_in_shardings, self._donated, strict=True)
         ]
         outs = self._compiled(*placed)
-        return jax.tree_util.tree_unflatten(self._out_tree, outs)
+        return self._out_tree.unflatten(outs)
 
     @property
     def flat_input_shardings(self) -> tuple[NamedSharding, ...]:
@@ -95,12 +95,12 @@ class Executable:
     @property
     def input_shardings(self) -> tuple[Any, ...]:
         """Shardings of the dynamic arguments, as pytrees shaped like them."""
-        return jax.tree_util.tree_unflatten(self._in_tree, self._flat_in_shardings)
+        return self._in_tree.unflatten(self._flat_in_shardings, with_statics=False)
 
     @property
     def output_shardings(self) -> Any:
         """Shardings of the outputs, as a pytree shaped like them."""
-        return jax.tree_util.tree_unflatten(self._out_tree, self._flat_out_shardings)
+        return self._out_tree.unflatten(self._flat_out_shardings, with_statics=False)
 
     def get_hlo_text(self) -> str:
         """The optimised, SPMD-partitioned HLO that runs on each device."""

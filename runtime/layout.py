@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 from jax.extend.core import JaxprEqn, Literal, Var
 
@@ -205,12 +206,17 @@ def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) 
     `runtime.accumulate`); every value is moved at most once to each stage that reads it and
     freed after its last reader. Returns, per step output variable, the stage that holds it.
     """
-    jaxpr = layout.traced.closed_jaxpr.jaxpr
+    closed = layout.traced.closed_jaxpr
+    jaxpr = closed.jaxpr
     k = layout.num_micro_batches
-    inputs: dict[Key, Any] = {}
+    # Constants the step computed with numpy (a rotary sin/cos table) are inputs like its own.
+    inputs: dict[Key, Any] = {
+        (v, None): c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+    }
     for v, x in zip(jaxpr.invars, flat, strict=True):
         if v in layout.batch_vars:
-            host = np.asarray(x)
+            keys = jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+            host = x if keys else np.asarray(x)  # typed keys have no numpy form
             inputs.update({(v, j): host[j::k] for j in range(k)})
         else:
             inputs[v, None] = x

@@ -59,7 +59,7 @@ class PipelineExecutable:
 
     def __call__(self, *args: Any) -> Any:
         dynamic = [a for i, a in enumerate(args) if i not in self._traced.static_argnums]
-        return self.call_flat(jax.tree_util.tree_leaves(dynamic))
+        return self.call_flat(self._traced.in_tree.flatten(tuple(dynamic)))
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
         """Run one step on the flattened dynamic arguments; returns the outputs as a pytree."""
@@ -76,7 +76,7 @@ class PipelineExecutable:
                 outs.append(self._runners[holders[v]].value((v, None)))
         for runner in self._runners:  # step-wide values are not kept between steps
             runner.values.clear()
-        return jax.tree_util.tree_unflatten(self._traced.out_tree, outs)
+        return self._traced.out_tree.unflatten(outs)
 
     # ------------------------------------------------------------------ inspection
 
@@ -100,4 +100,4 @@ class PipelineExecutable:
             next((r.input_sharding[v] for r in self._runners if v in r.input_sharding), None)
             for v in jaxpr.invars
         ]
-        return jax.tree_util.tree_unflatten(self._traced.in_tree, found)
+        return self._traced.in_tree.unflatten(found, with_statics=False)

@@ -30,7 +30,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -344,8 +343,8 @@ class RayExecutable:
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args: Any) -> Any:
-        dynamic = [a for i, a in enumerate(args) if i not in self._traced.static_argnums]
-        return self.call_flat(jax.tree_util.tree_leaves(dynamic))
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self._traced.static_argnums)
+        return self.call_flat(self._traced.in_tree.flatten(dynamic))
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
         """Run one step; outputs come back as `RemoteArray`s that stay on their meshes."""
@@ -364,7 +363,7 @@ class RayExecutable:
             outs = backend.finish(holders, flat)
             self.last_dispatch_s = time.perf_counter() - start
             self._wait(backend.calls, "the step")
-        return jax.tree_util.tree_unflatten(self._traced.out_tree, outs)
+        return self._traced.out_tree.unflatten(outs)
 
     def fetch(self, array: RemoteArray) -> np.ndarray:
         """The whole value of a `RemoteArray`, gathered from its workers."""
