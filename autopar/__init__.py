@@ -33,6 +33,7 @@ from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import (
     AutoparError,
     InvalidArgumentError,
+    MemoryBudgetError,
     PlanningError,
     TracingError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidArgumentError",
     "ManualLayerOption",
     "ManualStageOption",
+    "MemoryBudgetError",
     "MemoryStats",
     "ParallelizedFunc",
     "PipelineExecutable",

@@ -25,7 +25,7 @@ from autopar.methods import (
 from autopar.options import AutoLayerOption, AutoShardingOption
 from autopar.plan_store import PlanCache, check_plan_fits, tracing_record
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
 from autopar.planner.explain import PlanningContext
 from autopar.planner.explicit import plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
@@ -33,6 +33,7 @@ from autopar.planner.pipeline import StepParts, split_step
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.planner.program import Program
+from autopar.remat import RematTrace, plan_with_remat
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
 from autopar.runtime.profile import StageProfiler
@@ -104,10 +105,31 @@ def _plan(
     method: Method,
     mesh: MeshPlan,
     cluster: ClusterSpec,
-    devices: Sequence[jax.Device] = (),
-) -> Plan:
+    devices: Sequence[jax.Device],
+    remat_trace: RematTrace,
+) -> tuple[TracedStep, Plan]:
     """Hand a method (configuration) to its planner as explicit arguments. `devices` are those
-    the plan will run on (none when planning abstractly)."""
+    the plan will run on (none when planning abstractly). Returns the plan and the traced step
+    it is for: `traced`, or the step traced again with recomputed layers (`remat_trace`) where
+    ShardParallel fits nothing without recomputation."""
+    k = method.num_micro_batches or 1
+    if isinstance(method, ShardParallel):
+        config = method.auto_sharding_option.to_config()
+        try:
+            return traced, plan_shard_parallel(traced.program, mesh, cluster, config, k)
+        except MemoryBudgetError as e:
+            return plan_with_remat(remat_trace, mesh, cluster, config, k, e)
+    return traced, _plan_as_traced(traced, method, mesh, cluster, devices)
+
+
+def _plan_as_traced(
+    traced: TracedStep,
+    method: Method,
+    mesh: MeshPlan,
+    cluster: ClusterSpec,
+    devices: Sequence[jax.Device],
+) -> Plan:
+    """The plan of the other methods, which plan the step as traced."""
     k = method.num_micro_batches or 1
     if isinstance(method, FollowParallel):
         option = getattr(method.src.method, "auto_sharding_option", AutoShardingOption())
@@ -138,9 +160,6 @@ def _plan(
             return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
         finally:
             profiler.close()
-    if isinstance(method, ShardParallel):
-        config = method.auto_sharding_option.to_config()
-        return plan_shard_parallel(traced.program, mesh, cluster, config, k)
     return plan_data_parallel(
         traced.program, mesh, cluster, stage=method.zero_stage, num_micro_batches=k
     )
@@ -151,27 +170,32 @@ def _planned(
     method: Method,
     mesh: MeshPlan,
     cluster: ClusterSpec,
-    devices: Sequence[jax.Device] = (),
-) -> Plan:
-    """The plan of `traced`: a plan file's, a cached one, or a new one (then cached)."""
+    devices: Sequence[jax.Device],
+    remat_trace: RematTrace,
+) -> tuple[TracedStep, Plan]:
+    """The plan of `traced` (and the traced step it is for, see `_plan`): a plan file's, a
+    cached one, or a new one (then cached, unless it recomputes layers: it is for another
+    trace than the one the cache is keyed by)."""
     fingerprint = traced.program.fingerprint
     if isinstance(method, PlanFile):
         source = f"plan file {str(method.path)!r}"
         paths = traced.program.signature.input_paths
         num_devices = len(devices) or cluster.num_devices
         check_plan_fits(method.plan, fingerprint, paths, num_devices, source)
-        return method.plan
+        return traced, method.plan
     cache = None if isinstance(method, FollowParallel) else PlanCache.from_env()
     key = cache and PlanCache.key(fingerprint, cluster, method, mesh)
     found = cache and cache.load(key)
     if found:
-        return found
-    plan = _plan(traced, method, mesh, cluster, devices)
-    layer_option = method.layer_option if isinstance(method, PipeshardParallel) else None
-    plan = dataclasses.replace(plan, tracing=tracing_record(method.regather_params, layer_option))
-    if cache:
+        return traced, found
+    traced_for, plan = _plan(traced, method, mesh, cluster, devices, remat_trace)
+    if not plan.tracing:
+        layer_option = method.layer_option if isinstance(method, PipeshardParallel) else None
+        record = tracing_record(method.regather_params, layer_option)
+        plan = dataclasses.replace(plan, tracing=record)
+    if cache and traced_for is traced:
         cache.store(key, plan)
-    return plan
+    return traced_for, plan
 
 
 def _with_context(
@@ -354,10 +378,12 @@ class ParallelizedFunc:
             )
             argnums = self._argnums(args)
             traced = trace_for_method(self.fun, args, self.method, argnums)
-            plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices)
-            retrace = functools.partial(
-                _retrace, self.fun, abstract_arguments(args, argnums[0]), argnums=argnums
+            abstract = abstract_arguments(args, argnums[0])
+            remat = functools.partial(_remat_trace, self.fun, abstract, self.method, argnums)
+            traced, plan = _planned(
+                traced, self.method, mesh, runtime.cluster_spec, devices, remat
             )
+            retrace = functools.partial(_retrace, self.fun, abstract, argnums=argnums)
             plan = _with_context(plan, traced, self.method, mesh, runtime.cluster_spec, retrace)
             self._plans[key] = (traced, plan)
         return self._plans[key]
@@ -484,8 +510,9 @@ def plan(
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
     traced = trace_for_method(fun, args, method, argnums)
     mesh = method_mesh(method, cluster)[0]
-    plan = _planned(traced, method, mesh, cluster)
     abstract = abstract_arguments(args, argnums[0])
+    remat = functools.partial(_remat_trace, fun, abstract, method, argnums)
+    traced, plan = _planned(traced, method, mesh, cluster, (), remat)
     retrace = functools.partial(_retrace, fun, abstract, argnums=argnums)
     return _with_context(plan, traced, method, mesh, cluster, retrace)
 
@@ -494,3 +521,24 @@ def _retrace(
     fun: Callable, args: Sequence[Any], method: Method, *, argnums: tuple[tuple[int, ...], ...]
 ) -> TracedStep:
     return trace_for_method(fun, args, method, argnums)
+
+
+def _remat_trace(
+    fun: Callable,
+    args: Sequence[Any],
+    method: Method,
+    argnums: tuple[tuple[int, ...], ...],
+    layer_option: AutoLayerOption,
+) -> TracedStep:
+    """`fun` traced for `method` with its loss cut into recomputed layers (`autopar.remat`)."""
+    static, batch, donate = argnums
+    return trace_step(
+        fun,
+        args,
+        static_argnums=static,
+        batch_argnums=batch,
+        donate_argnums=donate,
+        regather_params=False,
+        num_micro_batches=method.num_micro_batches or 1,
+        layer_option=layer_option,
+    )

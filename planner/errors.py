@@ -21,6 +21,16 @@ class PlanningError(AutoparError):
     """No valid plan exists for this program on this cluster with these options."""
 
 
+class MemoryBudgetError(PlanningError):
+    """No plan fits the memory budget; carries the budget and the least memory per device that
+    any plan tried needs (bytes), so callers can try more (recomputation) or say what to do."""
+
+    def __init__(self, message: str, budget: float, least: float) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.least = least
+
+
 class InfeasibleError(PlanningError):
     """The sharding ILP has no solution at all, whatever the memory budget (e.g. inputs pinned
     to specs that no strategy of their readers accepts)."""

@@ -19,7 +19,7 @@ from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh
-from autopar.planner.errors import InvalidArgumentError, PlanningError
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
 from autopar.planner.explicit import param_inputs, split_spec
 from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
 from autopar.planner.groups import (
@@ -466,14 +466,16 @@ class ShardingProblem:
             notes=(note,),
         )
 
-    def over_budget(self, budget: float, least: float | None = None) -> PlanningError:
+    def over_budget(self, budget: float, least: float | None = None) -> MemoryBudgetError:
         """The error for a budget nothing fits in, with the least memory that would fit
         (`least`, or found by the ILP)."""
         least = self.ilp.least_memory() if least is None else least
-        return PlanningError(
+        return MemoryBudgetError(
             f"no sharding plan fits the memory budget of {format_bytes(budget)} per device; the "
             f"least memory per device that would fit is about {format_bytes(least)} (set "
-            "AutoShardingOption(memory_budget_per_device=...) or use more devices)"
+            "AutoShardingOption(memory_budget_per_device=...) or use more devices)",
+            budget,
+            least,
         )
 
 

@@ -48,6 +48,7 @@ from autopar.planner.pipeline import (
 )
 from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
 from autopar.planner.program import Program, StepSignature
+from autopar.planner.progress import progress
 from autopar.planner.stages import (
     CostFn,
     StageCost,
@@ -252,7 +253,8 @@ class LayerCosts:
             if (plans := self._layer_plans(layer, logical)) is not None and not plans.found
         }
         with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
-            list(pool.map(self._squeeze, pending.values()))
+            solves = pool.map(self._squeeze, pending.values())
+            list(progress(solves, desc="layer plans (ILP)", total=len(pending), unit="ILP"))
 
     def _layer_plans(self, layer: int, logical: tuple) -> _LayerPlans | None:
         """The plans of `layer` on `logical` so far, shared by every layer of the same structure
@@ -474,7 +476,9 @@ def plan_pipeshard(
         plan_jobs = functools.partial(
             _plan_alike_stages, cluster=cluster, num_micro_batches=k, memory=memory
         )
-        repeated = dict(zip(jobs, pool.map(plan_jobs, jobs.values()), strict=True))
+        solved = pool.map(plan_jobs, jobs.values())
+        solved = progress(solved, desc="stage plans (ILP)", total=len(jobs), unit="stage")
+        repeated = dict(zip(jobs, solved, strict=True))
     stage_plans, latencies, peaks = [], [], []
     compute = comm = comm_bytes = flops = 0.0
     for s, ((stage, mesh, flight, budget, key), assignment) in enumerate(

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from tqdm import tqdm
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.intra import ShardingProblem
@@ -36,6 +35,7 @@ from autopar.planner.pipeshard import (
 )
 from autopar.planner.plan import StagePlan
 from autopar.planner.program import Program
+from autopar.planner.progress import progress_bar
 from autopar.planner.stages import StageCost
 from autopar.runtime.interpreter import (
     ShardingRules,
@@ -68,7 +68,7 @@ class StageProfiler:
         self.ilp_solves = 0
         self._programs: dict[tuple[int, int], StageProgram] = {}
         self._measured: dict[tuple, StageCost | None] = {}
-        self._progress = tqdm(desc="profiling stages", unit="stage", leave=False)
+        self._progress = progress_bar(desc="profiling stages", unit="stage")
         self._started = time.perf_counter()
 
     def __call__(self, start: int, end: int, submesh: tuple, logical: tuple) -> StageCost | None:
