@@ -33,6 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from autopar.planner.ilp import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
+
 EXIT_USAGE = 2
 EXIT_NO_PLAN = 1
 TINY = "tiny"
@@ -145,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="pipeshard: uniform stages of equal layers (default: Alpa's stage DP)",
     )
-    plan.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto")
-    plan.add_argument("--time-limit", type=float, default=60.0, help="per ILP solve, seconds")
+    plan.add_argument("--solver", choices=SOLVERS, default=DEFAULT_SOLVER)
+    plan.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="per ILP solve, seconds"
+    )
     plan.add_argument("--explain", action="store_true", help="compare with baselines")
     plan.add_argument("--json", metavar="OUT", help="write the plan as JSON")
     plan.add_argument("--png", metavar="OUT", help="draw the plan (device grid, timeline)")
@@ -254,10 +258,7 @@ def _check_output(path: str | None, option: str) -> None:
 def _method(args: argparse.Namespace, cluster: Any, micro_batches: int) -> Any:
     import autopar
 
-    solver = args.solver
-    if solver == "auto":
-        solver = "highs" if importlib.util.find_spec("highspy") else "cbc"
-    option = autopar.AutoShardingOption(solver=solver, time_limit_s=args.time_limit)
+    option = autopar.AutoShardingOption(solver=args.solver, time_limit_s=args.time_limit)
     if args.method == "shard":
         return autopar.ShardParallel(num_micro_batches=micro_batches, auto_sharding_option=option)
     layers = args.layers or max(2, 2 * cluster.num_hosts)

@@ -7,10 +7,9 @@ import math
 import numbers
 
 from autopar.planner.errors import InvalidArgumentError, check_positive_int
+from autopar.planner.ilp import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
 from autopar.planner.intra import IntraOpConfig
 from autopar.planner.stages import LOGICAL_SPACES, PHYSICAL_SPACES
-
-SOLVERS = ("cbc", "highs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +24,7 @@ class AutoShardingOption:
         split (FSDP / ZeRO-3).
       prefer_reduce_scatter: store optimizer state split, so gradients are reduce-scattered and
         the update is sharded (ZeRO-2 style weight-update sharding).
-      solver: "cbc" (bundled with PuLP) or "highs" (needs `pip install highspy`).
+      solver: "highs" (HiGHS, the default) or "cbc" (the CBC bundled with PuLP).
       time_limit_s: wall-clock limit per ILP solve; past it the best plan found is used, with a
         warning.
       reuse_repeated_layers: give identical layers one set of variables (smaller, faster ILP).
@@ -39,8 +38,8 @@ class AutoShardingOption:
     force_data_parallel: bool = False
     force_zero_stage_3: bool = False
     prefer_reduce_scatter: bool = False
-    solver: str = "cbc"
-    time_limit_s: float = 60.0
+    solver: str = DEFAULT_SOLVER
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
     reuse_repeated_layers: bool = True
     force_batch_dim_to_mesh_dim: int | None = None
 

@@ -11,6 +11,7 @@ import jax
 import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, abstract_train_inputs, gpt
+from autopar.planner.ilp import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
 from autopar.tracing import TracedStep, resolve_argnums
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -24,6 +25,14 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--log-level", default="WARNING")
+
+
+def add_solver_arguments(parser: argparse.ArgumentParser) -> None:
+    """--solver and --time-limit, defaulting to the library's (what a user gets)."""
+    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=SOLVERS)
+    parser.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="per ILP solve, seconds"
+    )
 
 
 def gpt_inputs(config: GPTConfig, global_batch: int) -> tuple[Any, dict[str, jax.ShapeDtypeStruct]]:

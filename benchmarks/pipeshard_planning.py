@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 import jax.numpy as jnp
-from gpt_shapes import RESULTS, gpt_inputs, trace_gpt_step
+from gpt_shapes import RESULTS, add_solver_arguments, gpt_inputs, trace_gpt_step
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -205,8 +205,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--dtype", default="float16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--solver", default="highs", choices=["cbc", "highs"])
-    parser.add_argument("--time-limit", type=float, default=10.0, help="per ILP solve, s")
+    add_solver_arguments(parser)
     parser.add_argument("--remat", default="coarse_grained", choices=["coarse_grained", "none"])
     parser.add_argument("--logical-space", default=LOGICAL_SPACES[0], choices=LOGICAL_SPACES)
     parser.add_argument("--log-level", default="WARNING")

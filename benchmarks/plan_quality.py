@@ -31,7 +31,6 @@ Writes benchmarks/results/plan_quality.json and plan_quality.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
@@ -41,7 +40,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from gpt_shapes import RESULTS, add_shape_arguments, gpt_inputs, trace_gpt_step
+from gpt_shapes import (
+    RESULTS,
+    add_shape_arguments,
+    add_solver_arguments,
+    gpt_inputs,
+    trace_gpt_step,
+)
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -239,17 +244,10 @@ def main() -> None:
     add_shape_arguments(parser)
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=preset_names())
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument(
-        "--solver", default="auto", choices=["auto", "cbc", "highs"], help="auto: highs if any"
-    )
-    parser.add_argument(
-        "--time-limit", type=float, default=30.0, help="per ILP solve, seconds (library: 60)"
-    )
+    add_solver_arguments(parser)
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     k = args.micro_batches
-    if args.solver == "auto":
-        args.solver = "highs" if importlib.util.find_spec("highspy") else "cbc"
 
     rows = []
     jobs = [(m, c, method) for m in args.models for c in args.clusters for method in args.methods]

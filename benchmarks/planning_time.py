@@ -28,7 +28,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from gpt_shapes import RESULTS, add_shape_arguments, gpt_inputs, trace_gpt_step
+from gpt_shapes import (
+    RESULTS,
+    add_shape_arguments,
+    add_solver_arguments,
+    gpt_inputs,
+    trace_gpt_step,
+)
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -151,8 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(parser)
     parser.add_argument("--cluster", default="8xV100-p3", choices=preset_names())
-    parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
-    parser.add_argument("--time-limit", type=float, default=60.0, help="ILP limit, seconds")
+    add_solver_arguments(parser)
     parser.add_argument(
         "--profile", metavar="FILE", help="cProfile each model; write the top functions to FILE"
     )

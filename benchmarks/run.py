@@ -75,6 +75,7 @@ import tempfile
 import time
 from typing import Any
 
+from gpt_shapes import add_solver_arguments
 from tqdm import tqdm
 
 from autopar.plan_store import CACHE_ENV
@@ -903,8 +904,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=120.0,
         help="wall-clock cap per case (planning + baselines), s",
     )
-    parser.add_argument("--solver", default="highs", choices=["cbc", "highs"])
-    parser.add_argument("--time-limit", type=float, default=10.0, help="per ILP solve, s")
+    add_solver_arguments(parser)
     parser.add_argument("--dtype", default="float16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--attempt-all",

@@ -32,6 +32,8 @@ from autopar.planner.groups import (
     structure_signature,
 )
 from autopar.planner.ilp import (
+    DEFAULT_SOLVER,
+    DEFAULT_TIME_LIMIT_S,
     OVERLAP_PENALTY,
     ClassCosts,
     EdgeClass,
@@ -73,8 +75,8 @@ class IntraOpConfig:
     force_data_parallel: bool = False
     force_zero_stage_3: bool = False
     prefer_reduce_scatter: bool = False
-    solver: str = "cbc"
-    time_limit_s: float = 60.0
+    solver: str = DEFAULT_SOLVER
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
     reuse_repeated_layers: bool = True
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
     force_batch_dim_to_mesh_dim: int | None = None
