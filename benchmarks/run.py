@@ -27,9 +27,10 @@ devices (`Nx8xV100-p3` beyond 8 devices; 1 and 4 devices are a slice of one host
 (Alpa trained in fp16; the presets' peaks are tensor-core fp16/bf16 peaks).
 
 Methods: within one host (<= 8 devices) ShardParallel, the intra-op ILP with gradient
-accumulation over the micro-batches. ShardParallel has no rematerialisation, so where no
-ShardParallel plan fits device memory the case falls back to PipeshardParallel on that host (as
-Alpa's own 4- and 8-GPU GPT plans are pipelines inside one host), marked † in the tables. Across
+accumulation over the micro-batches, recomputing activations where nothing fits without
+(`autopar.remat`). Where no ShardParallel plan fits device memory even so, the case falls back to
+PipeshardParallel on that host (as Alpa's own 4- and 8-GPU GPT plans are pipelines inside one
+host), marked † in the tables. Across
 hosts PipeshardParallel with `AutoLayerOption(max(4, 2 x hosts), remat_mode="coarse_grained")`
 and `AutoStageOption()` (Alpa's stage DP). The ILP solver is HiGHS with `--time-limit` seconds
 per solve.
@@ -287,7 +288,7 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
         _write(out, row)
         if case.method != "shard":
             return
-        # No ShardParallel plan fits (it has no rematerialisation): plan a pipeline on the host
+        # No ShardParallel plan fits, even recomputing activations: plan a pipeline on the host
         # as Alpa did (its 4- and 8-GPU GPT plans are pipelines inside one host).
         row.update(fallback=True, method="pipeshard", shard_s=row.pop("plan_s"))
         row["shard_error"] = row.pop("error")
@@ -565,8 +566,9 @@ def _header(result: dict[str, Any]) -> list[str]:
         "",
         f"`{s.get('command', 'python benchmarks/run.py')}`. Planned from shapes only (no device of "
         f"the cluster, nothing compiled), {s['dtype']} compute. ShardParallel (intra-op ILP, "
-        "gradient accumulation) within one host; † = no ShardParallel plan fits device memory "
-        "(it has no rematerialisation), so PipeshardParallel on that host instead, as Alpa's "
+        "gradient accumulation, activations recomputed where nothing fits without) within one "
+        "host; † = no ShardParallel plan fits device memory even so, so PipeshardParallel on "
+        "that host instead, as Alpa's "
         f"own 4- and 8-GPU GPT plans; PipeshardParallel (AutoLayerOption({s['pipeshard_layers']} "
         "layers, coarse-grained remat), Alpa's stage DP) across hosts. ILP solver "
         f"{s['solver']}, {s['time_limit_s']:.0f} s limit per solve. Each case runs in its own "
