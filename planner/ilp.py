@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pulp
 
-from autopar.planner.errors import InfeasibleError
+from autopar.planner.errors import InfeasibleError, MemoryBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,14 @@ _MIB = float(2**20)
 SOLVERS = ("highs", "cbc")
 DEFAULT_SOLVER = "highs"
 DEFAULT_TIME_LIMIT_S = 10.0
-_CUTS_PER_ROUND = 4  # memory cuts added in the first rounds; doubled every few rounds
-_ROUNDS_PER_DOUBLING = 4
+_CUTS_PER_ROUND = 4  # memory cuts added per round
+_MAX_CUT_ROUNDS = 40  # a budgeted solve still cutting then answers "does not fit"
+_ROUNDS_PER_DOUBLING = 4  # past that, the least-memory search doubles its cuts this often
 OVERLAP_PENALTY = 0.1
+
+
+class _CutsDidNotSettle(Exception):
+    """A budgeted solve still adds memory cuts after `_MAX_CUT_ROUNDS` rounds."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -217,13 +222,16 @@ class IntraOpIlp:
         fits: Callable[[np.ndarray, np.ndarray], bool],
         bound,
         cut: dict[int, pulp.LpConstraint],
+        escalate: bool,
     ):
         """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`;
         None if infeasible.
 
-        Most plans fit after a few cuts. Where the peak moves from step to step, the number of
-        cuts per round doubles every few rounds, so within O(log steps) rounds every step is
-        cut: the solution then meets every step's constraint, and the loop ends."""
+        Most plans fit after a few cuts. Where the peak keeps moving from step to step, a
+        budgeted solve stops after `_MAX_CUT_ROUNDS` (`_CutsDidNotSettle`); with `escalate` the
+        cuts per round double every few rounds after that instead, so within O(log steps) more
+        rounds every step is cut, the solution meets every step's constraint, and the loop
+        ends. (Many cuts at once slow each solve, so the first rounds add few.)"""
         optimal = True
         for rounds in itertools.count(1):
             result = self._solve(prob, s)
@@ -235,7 +243,10 @@ class IntraOpIlp:
             worst = [int(t) for t in np.argsort(-per_step, kind="stable") if int(t) not in cut]
             if fits(choices, per_step) or not worst:  # no step left uncut: fits up to rounding
                 return choices, optimal, rounds
-            width = _CUTS_PER_ROUND << (rounds // _ROUNDS_PER_DOUBLING)
+            if rounds >= _MAX_CUT_ROUNDS and not escalate:
+                raise _CutsDidNotSettle
+            doublings = max(0, rounds - _MAX_CUT_ROUNDS) // _ROUNDS_PER_DOUBLING
+            width = _CUTS_PER_ROUND << doublings
             for step in worst[:width]:
                 cut[step] = self._add_memory_cut(prob, s, step, bound)
 
@@ -250,13 +261,26 @@ class IntraOpIlp:
         for constraint in self._cuts.values():  # the same cuts, at the new bound
             constraint.constant += (self._budget - budget_bytes) / _MIB
         self._budget = budget_bytes
-        result = self._cut_loop(
-            prob,
-            s,
-            lambda _, per_step: per_step.max() <= budget_bytes,
-            budget_bytes / _MIB,
-            self._cuts,
-        )
+        try:
+            result = self._cut_loop(
+                prob,
+                s,
+                lambda _, per_step: per_step.max() <= budget_bytes,
+                budget_bytes / _MIB,
+                self._cuts,
+                escalate=False,
+            )
+        except _CutsDidNotSettle:
+            least = self.least_memory()
+            raise MemoryBudgetError(
+                f"no plan within {budget_bytes / 2**30:.3g} GiB per device was found in "
+                f"{_MAX_CUT_ROUNDS} rounds of memory cuts; the least memory per device any plan "
+                f"needs is about {least / 2**30:.3g} GiB (raise "
+                "AutoShardingOption(memory_budget_per_device=...) towards it, or use more "
+                "devices or micro-batches)",
+                budget_bytes,
+                least,
+            ) from None
         if result is None:
             return None
         choices, optimal, rounds = result
@@ -274,7 +298,12 @@ class IntraOpIlp:
         peak = pulp.LpVariable("peak_mib", lowBound=0)
         prob += peak
         result = self._cut_loop(
-            prob, s, lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6, peak, {}
+            prob,
+            s,
+            lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6,
+            peak,
+            {},
+            escalate=True,
         )
         if result is None:
             raise InfeasibleError("the sharding ILP has no solution even without a memory budget")
