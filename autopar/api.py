@@ -255,24 +255,29 @@ def _with_context(
 
 
 def trace_for_method(
-    fun: Callable, args: Sequence[Any], method: Method, argnums: tuple[tuple[int, ...], ...]
+    fun: Callable,
+    args: Sequence[Any],
+    method: Method,
+    argnums: tuple[tuple[int, ...], ...],
+    remat: AutoLayerOption | None = None,
 ) -> TracedStep:
-    """Trace `fun(*args)` as `method` needs it (micro-batch shapes; regathering for FSDP).
+    """Trace `fun(*args)` as `method` needs it (micro-batch shapes; regathering for FSDP), or
+    with its loss cut into `remat`'s recomputed layers (`autopar.remat`), which regather by
+    themselves.
 
     `argnums` is (static, batch, donate), as `tracing.resolve_argnums` returns them.
     """
     static, batch, donate = argnums
+    layers = method.layer_option if isinstance(method, PipeshardParallel | PlanFile) else None
     return trace_step(
         fun,
         args,
         static_argnums=static,
         batch_argnums=batch,
         donate_argnums=donate,
-        regather_params=method.regather_params,
+        regather_params=method.regather_params and remat is None,
         num_micro_batches=method.num_micro_batches or 1,
-        layer_option=(
-            method.layer_option if isinstance(method, PipeshardParallel | PlanFile) else None
-        ),
+        layer_option=remat or layers,
     )
 
 
@@ -379,7 +384,7 @@ class ParallelizedFunc:
             argnums = self._argnums(args)
             traced = trace_for_method(self.fun, args, self.method, argnums)
             abstract = abstract_arguments(args, argnums[0])
-            remat = functools.partial(_remat_trace, self.fun, abstract, self.method, argnums)
+            remat = functools.partial(trace_for_method, self.fun, abstract, self.method, argnums)
             traced, plan = _planned(
                 traced, self.method, mesh, runtime.cluster_spec, devices, remat
             )
@@ -511,7 +516,7 @@ def plan(
     traced = trace_for_method(fun, args, method, argnums)
     mesh = method_mesh(method, cluster)[0]
     abstract = abstract_arguments(args, argnums[0])
-    remat = functools.partial(_remat_trace, fun, abstract, method, argnums)
+    remat = functools.partial(trace_for_method, fun, abstract, method, argnums)
     traced, plan = _planned(traced, method, mesh, cluster, (), remat)
     retrace = functools.partial(_retrace, fun, abstract, argnums=argnums)
     return _with_context(plan, traced, method, mesh, cluster, retrace)
@@ -521,24 +526,3 @@ def _retrace(
     fun: Callable, args: Sequence[Any], method: Method, *, argnums: tuple[tuple[int, ...], ...]
 ) -> TracedStep:
     return trace_for_method(fun, args, method, argnums)
-
-
-def _remat_trace(
-    fun: Callable,
-    args: Sequence[Any],
-    method: Method,
-    argnums: tuple[tuple[int, ...], ...],
-    layer_option: AutoLayerOption,
-) -> TracedStep:
-    """`fun` traced for `method` with its loss cut into recomputed layers (`autopar.remat`)."""
-    static, batch, donate = argnums
-    return trace_step(
-        fun,
-        args,
-        static_argnums=static,
-        batch_argnums=batch,
-        donate_argnums=donate,
-        regather_params=False,
-        num_micro_batches=method.num_micro_batches or 1,
-        layer_option=layer_option,
-    )
