@@ -24,6 +24,7 @@ from autopar.options import AutoLayerOption
 from autopar.plan_store import tracing_record
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
+from autopar.planner.graph import is_checkpoint
 from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.planner.summary import format_bytes
@@ -59,6 +60,8 @@ def plan_with_remat(
             traced = trace(option)
         except InvalidArgumentError:  # the loss has too few heavy ops for n layers
             break
+        if not any(map(is_checkpoint, traced.closed_jaxpr.jaxpr.eqns)):
+            break  # no loss to cut: the step differentiates with jax.grad, not autopar.grad
         tried = n
         try:
             plan = plan_shard_parallel(traced.program, mesh, cluster, config, num_micro_batches)
@@ -79,7 +82,10 @@ def plan_with_remat(
             "runs the recomputation early and keeps most of what it was meant to free)"
         )
     else:
-        recomputed = ""
+        recomputed = (
+            " (recomputing activations needs the loss differentiated with autopar.grad or "
+            "autopar.value_and_grad)"
+        )
     raise MemoryBudgetError(
         f"no sharding plan fits the memory budget of {format_bytes(without.budget)} per "
         f"device as the step is{recomputed}: the least memory per device any plan needs is "

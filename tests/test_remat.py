@@ -107,3 +107,10 @@ def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
         assert e.least == pytest.approx(least) and "rounds of memory cuts" in str(e)
     else:
         assert plan is not None and plan.predicted.memory_per_device_bytes <= least * 1.05
+
+
+def test_recomputation_needs_autopar_grad(gpu_costs):
+    """A step differentiated with jax.grad has no loss to cut: the error says what to use."""
+    step, state, batch = abstract_train_inputs(gpt, GPT, BATCH, grad_fn=jax.value_and_grad)
+    with pytest.raises(autopar.MemoryBudgetError, match="needs the loss differentiated with"):
+        autopar.plan(step, state, batch, method=_tight(TIGHT))
