@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench-ray: $(STAMP)
 
 bench-suite: $(STAMP)
 	$(VENV)/bin/python benchmarks/run.py
+
+bench-grad: $(STAMP)
+	$(VENV)/bin/python benchmarks/grad_accumulation.py
 
 bench-fuzz: $(STAMP)
 	$(VENV)/bin/python benchmarks/fuzz.py --cases 300

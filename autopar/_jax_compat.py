@@ -19,11 +19,17 @@ from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
 def bind_checkpoint(
     body: Callable[..., Sequence[Any]], args: Sequence[Any], params: dict[str, Any]
 ) -> list[Any]:
-    """Trace `body` over `args` and bind it as a `checkpoint` eqn with the given remat params."""
-    closed = jax.make_jaxpr(lambda *a: list(body(*a)))(*args)
+    """Trace `body` over `args` and bind it as a `checkpoint` eqn with the given remat params.
+
+    Arguments and results may be pytrees of arrays (unreduced partial sums are)."""
+    flat, in_tree = jax.tree.flatten(list(args))
+    closed, out_shape = jax.make_jaxpr(
+        lambda *a: list(body(*jax.tree.unflatten(in_tree, a))), return_shape=True
+    )(*flat)
     jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     new_params = {k: v for k, v in params.items() if k != "jaxpr"}
-    return remat_p.bind(*closed.consts, *args, jaxpr=jaxpr, **new_params)
+    outs = remat_p.bind(*closed.consts, *flat, jaxpr=jaxpr, **new_params)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def source_scope(eqn: Any) -> Any:

@@ -44,7 +44,8 @@ from collections.abc import Sequence
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InfeasibleError
-from autopar.planner.explicit import param_inputs, split_spec
+from autopar.planner.explicit import split_spec
+from autopar.planner.gradients import param_inputs
 from autopar.planner.intra import IntraOpConfig, ShardingProblem
 from autopar.planner.plan import MeshPlan, Plan, Predicted, Spec, replicated
 from autopar.planner.program import Program

@@ -15,15 +15,21 @@ tensors with no such dimension (scalars, odd sizes) stay replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.markers import GRAD_BOUNDARY
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.cost import compute_cost, logical_mesh
+from autopar.planner.cost import Collective, compute_cost, logical_mesh, result_bytes
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.gradients import reduce_scatter_lowerings
-from autopar.planner.graph import OpGraph, ValueKind, ValueRef, nodes_by_primitive, resolve_input
+from autopar.planner.gradients import (
+    gradient_chains,
+    gradient_reduction,
+    param_inputs,
+    partial_sum_lowerings,
+)
+from autopar.planner.graph import ValueKind, ValueRef, nodes_by_primitive
 from autopar.planner.plan import MeshPlan, Plan, Predicted, Spec, StagePlan, replicated
 from autopar.planner.program import Program
 
@@ -48,18 +54,6 @@ def split_spec(shape: Sequence[int], axes: tuple[str, ...], n: int) -> Spec:
     return tuple(spec)
 
 
-def param_inputs(graph: OpGraph) -> dict[int, int]:
-    """Parameter index (of `autopar.grad`) → the step input that stores that parameter."""
-    found: dict[int, int] = {}
-    for node in nodes_by_primitive(graph, PARAM_USE):
-        index = node.params["index"]
-        if index not in found:
-            source = resolve_input(graph, node.inputs[0])
-            if source is not None:
-                found[index] = source
-    return found
-
-
 def check_batch_divisible(program: Program, num_devices: int, num_micro_batches: int) -> None:
     """Each (micro-)batch input's dim 0 must split evenly over the devices."""
     sig = program.signature
@@ -75,6 +69,57 @@ def check_batch_divisible(program: Program, num_devices: int, num_micro_batches:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Gradient:
+    """A parameter's gradient as the explicit plans see it."""
+
+    boundary: str  # the gradient boundary node
+    position: int  # its operand there
+    operand: ValueRef
+    spec: Spec  # how the summed gradient is stored
+    nbytes: int  # of its parameter
+
+
+def _gradients(program: Program, stage: ZeroStage, axes, n: int) -> list[_Gradient]:
+    """Every parameter gradient at the gradient boundary, with the spec `stage` stores it in."""
+    sig, graph = program.signature, program.graph
+    params = param_inputs(graph)
+    found = []
+    for node in nodes_by_primitive(graph, GRAD_BOUNDARY):
+        grad_of = node.params["grad_of"]
+        for position, (operand, aval, of) in enumerate(
+            zip(node.inputs, node.in_avals, grad_of, strict=True)
+        ):
+            if of < 0 or of not in params:
+                continue
+            spec = (
+                replicated(len(aval.shape))
+                if stage is ZeroStage.DATA_PARALLEL
+                else split_spec(aval.shape, axes, n)
+            )
+            nbytes = sig.input_avals[params[of]].nbytes
+            found.append(_Gradient(node.id, position, operand, spec, nbytes))
+    return found
+
+
+def _reduced_once(
+    gradients: list[_Gradient], stage: ZeroStage, memory_without: float, budget: float, n: int
+) -> list[bool]:
+    """Which gradients to reduce once per step (k > 1). A gradient stored replicated always is
+    (its accumulator is whole anyway). One stored split needs a whole accumulator instead of a
+    slice: largest first, those that would take the plan over `budget` (predicted with every
+    split gradient reduced per micro-batch: `memory_without`) are reduced per micro-batch."""
+    if stage is ZeroStage.DATA_PARALLEL:
+        return [True] * len(gradients)
+    room = budget - memory_without
+    once = [False] * len(gradients)
+    for i in sorted(range(len(gradients)), key=lambda i: -gradients[i].nbytes):
+        extra = gradients[i].nbytes * (1 - 1 / n)
+        if extra <= room:
+            once[i], room = True, room - extra
+    return once
+
+
 def plan_data_parallel(
     program: Program,
     mesh: MeshPlan,
@@ -83,10 +128,14 @@ def plan_data_parallel(
     stage: ZeroStage,
     num_micro_batches: int,
 ) -> Plan:
-    """The plan of `stage` for `program` on `mesh` (all axes used for data parallelism)."""
+    """The plan of `stage` for `program` on `mesh` (all axes used for data parallelism).
+
+    With micro-batches, gradients are accumulated on each device and reduced once per step
+    where memory allows (`_reduced_once`), else reduce-scattered per micro-batch."""
     n = mesh.num_devices
     axes = mesh.axis_names
-    check_batch_divisible(program, n, num_micro_batches)
+    k = num_micro_batches
+    check_batch_divisible(program, n, k)
     sig, graph = program.signature, program.graph
     params = param_inputs(graph)
     param_set = set(params.values())
@@ -108,26 +157,31 @@ def plan_data_parallel(
         if stage is ZeroStage.ZERO3
         else {}
     )
+    gradients = _gradients(program, stage, axes, n)
     node_output_specs: dict[str, tuple[Spec | None, ...]] = {}
-    rs_targets: list[tuple[ValueRef, Spec]] = []
     for node in nodes_by_primitive(graph, GRAD_BOUNDARY):
-        specs: list[Spec | None] = []
-        for operand, aval, of in zip(
-            node.inputs, node.in_avals, node.params["grad_of"], strict=True
-        ):
-            if of < 0 or of not in params:
-                specs.append(None)
-                continue
-            spec = (
-                replicated(len(aval.shape))
-                if stage is ZeroStage.DATA_PARALLEL
-                else split_spec(aval.shape, axes, n)
-            )
-            specs.append(spec)
-            if stage is not ZeroStage.DATA_PARALLEL and operand.kind is ValueKind.NODE:
-                rs_targets.append((operand, spec))
+        specs: list[Spec | None] = [None] * len(node.inputs)
+        for g in gradients:
+            if g.boundary == node.id:
+                specs[g.position] = g.spec
         node_output_specs[node.id] = tuple(specs)
-
+    once = [False] * len(gradients)
+    if k > 1 and n > 1:
+        without = _memory(sig, input_specs, mesh, gradients, once, n)
+        once = _reduced_once(gradients, stage, without, cluster.device_memory, n)
+    targets = [
+        (g.operand, g.spec, o)
+        for g, o in zip(gradients, once, strict=True)
+        if g.operand.kind is ValueKind.NODE
+    ]
+    partial_sums = partial_sum_lowerings(graph, targets, axes, n)
+    once_nodes = {node for node, lowering in partial_sums.items() if lowering.once_per_step}
+    chains = {c.nodes[0]: c for c in gradient_chains(graph) if c.nodes}
+    once = [
+        g.operand.node in chains and set(chains[g.operand.node].sums) <= once_nodes
+        for g in gradients
+    ]
+    summed = {node for c in chains.values() for node in c.sums} if n > 1 else set()
     stage_plan = StagePlan(
         index=0,
         mesh=mesh,
@@ -135,13 +189,16 @@ def plan_data_parallel(
         output_specs=output_specs,
         param_use_specs=param_use_specs,
         node_output_specs=node_output_specs,
-        reduce_scatter=reduce_scatter_lowerings(graph, rs_targets, n),
+        partial_sums=partial_sums,
+        gradient_reduction=(
+            gradient_reduction(graph, summed, once_nodes, sig.input_paths) if k > 1 else {}
+        ),
     )
     return Plan(
         method=stage.value,
-        num_micro_batches=num_micro_batches,
+        num_micro_batches=k,
         stages=(stage_plan,),
-        predicted=predict(program, stage_plan, cluster, stage, params, num_micro_batches),
+        predicted=predict(program, stage_plan, cluster, stage, gradients, once, k),
         cluster=cluster.to_dict(),
         input_paths=sig.input_paths,
         output_paths=sig.output_paths,
@@ -157,52 +214,69 @@ def _bytes_per_device(shape, itemsize, spec: Spec, mesh: MeshPlan) -> float:
     return size
 
 
+def _memory(
+    sig, input_specs, mesh: MeshPlan, gradients: list[_Gradient], once: list[bool], n: int
+) -> float:
+    """Stored inputs plus gradient accumulators per device (whole where reduced once per step
+    or stored replicated, a slice otherwise)."""
+    stored = sum(
+        _bytes_per_device(a.shape, a.dtype.itemsize, s, mesh)
+        for a, s in zip(sig.input_avals, input_specs, strict=True)
+    )
+    grads = sum(
+        g.nbytes if o or not any(g.spec) else g.nbytes / n
+        for g, o in zip(gradients, once, strict=True)
+    )
+    return stored + grads
+
+
 def predict(
     program: Program,
     stage_plan: StagePlan,
     cluster: ClusterSpec,
     stage: ZeroStage,
-    params: dict[int, int],
+    gradients: list[_Gradient],
+    once: list[bool],
     num_micro_batches: int,
 ) -> Predicted:
     """Step time and memory of a data-parallel plan under the α-β cost model.
 
-    Communication per step, for k micro-batches and P parameter bytes: DP k·all-reduce(P);
-    ZeRO-2 k·reduce-scatter(P) + all-gather(P); ZeRO-3 k·(2·all-gather(P) + reduce-scatter(P)).
-    Memory counts the stored state per device plus gradients (full for DP, split otherwise) and the
-    batch inputs; activations are not counted here.
+    Communication per step (bytes as the HLO's collective results count them), for k
+    micro-batches, gradients of G bytes reduced once per step and
+    of g bytes per micro-batch, and P parameter bytes: DP all-reduce(G) + k·all-reduce(g);
+    ZeRO-2 reduce-scatter(G) + k·reduce-scatter(g) + all-gather(P); ZeRO-3 the same with
+    2k·all-gather(P) in place of one. Memory counts the stored state per device plus the
+    gradient accumulators and the batch inputs; activations are not counted here.
     """
     sig, mesh = program.signature, stage_plan.mesh
     lmesh = logical_mesh(cluster, mesh.shape, mesh.axis_names)
     axes = mesh.axis_names
-    param_bytes = float(sum(sig.input_avals[i].nbytes for i in params.values()))
     k = num_micro_batches
+    param_bytes = float(sum(g.nbytes for g in gradients))
+    reduced_once = float(sum(g.nbytes for g, o in zip(gradients, once, strict=True) if o))
+    per_micro_batch = param_bytes - reduced_once
     if stage is ZeroStage.DATA_PARALLEL:
-        comm_bytes = k * param_bytes
-        comm = k * lmesh.all_reduce_cost(param_bytes, axes)
-    elif stage is ZeroStage.ZERO2:
-        comm_bytes = (k + 1) * param_bytes
-        comm = k * lmesh.reduce_scatter_cost(param_bytes, axes) + lmesh.all_gather_cost(
-            param_bytes, axes
+        comm_bytes = reduced_once + k * per_micro_batch
+        comm = lmesh.all_reduce_cost(reduced_once, axes) + k * lmesh.all_reduce_cost(
+            per_micro_batch, axes
         )
     else:
-        comm_bytes = 3 * k * param_bytes
-        comm = k * (
-            2 * lmesh.all_gather_cost(param_bytes, axes)
-            + lmesh.reduce_scatter_cost(param_bytes, axes)
+        gathers = 1 if stage is ZeroStage.ZERO2 else 2 * k
+        scattered = result_bytes(lmesh, Collective.REDUCE_SCATTER, 1.0, axes)  # per byte summed
+        comm_bytes = (reduced_once + k * per_micro_batch) * scattered + gathers * param_bytes
+        comm = (
+            lmesh.reduce_scatter_cost(reduced_once, axes)
+            + k * lmesh.reduce_scatter_cost(per_micro_batch, axes)
+            + gathers * lmesh.all_gather_cost(param_bytes, axes)
         )
     flops = k * program.graph.total_flops
     compute = compute_cost(flops / mesh.num_devices, cluster.device_flops)
-    stored = sum(
-        _bytes_per_device(a.shape, a.dtype.itemsize, s, mesh)
-        for a, s in zip(sig.input_avals, stage_plan.input_specs, strict=True)
-    )
-    grads = param_bytes if stage is ZeroStage.DATA_PARALLEL else param_bytes / mesh.num_devices
+    memory = _memory(sig, stage_plan.input_specs, mesh, gradients, once, mesh.num_devices)
     return Predicted(
         step_time_s=compute + comm,
         compute_s=compute,
         communication_s=comm,
-        memory_per_device_bytes=stored + grads,
+        memory_per_device_bytes=memory,
         communication_bytes=comm_bytes,
         flops=flops,
     )

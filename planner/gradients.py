@@ -1,22 +1,124 @@
-"""Where gradients are summed over the batch, so that the sum can be reduce-scattered.
+"""Where gradients are summed over the batch, so that the sums can be lowered explicitly.
 
-A gradient wanted split (ZeRO/FSDP) is a sum over the batch: a `dot_general` contracting the
-batch, a `reduce_sum` over it, or a `scatter-add` of per-example updates (an embedding). XLA's GPU
-pipeline turns "all-reduce, then keep my slice" into a reduce-scatter; its CPU pipeline does not. So
-the plan says it directly: compute that node on local shards of the contracted dimension and
-reduce-scatter the partial sums (`ReduceScatterLowering`). Walking from the gradient back to those
-nodes passes through layout-only nodes (transpose, convert, copy, reshapes that only add or drop
-size-1 dims, sums over size-1 dims) and sums (`add_any`).
+A gradient is a sum over the batch: a `dot_general` contracting the batch, a `reduce_sum` over
+it, or a `scatter-add` of per-example updates (an embedding). Walking from the gradient back to
+those nodes passes through layout-only nodes (transpose, convert, copy, reshapes that only add or
+drop size-1 dims, sums over size-1 dims) and sums (`add_any`): the gradient's *chain*.
+
+Two lowerings (`PartialSumLowering`) compute such a node on local shards of the contracted
+dimension and sum the partial results over the mesh axes themselves:
+
+* per micro-batch, reduce-scattered: XLA's GPU pipeline turns "all-reduce, then keep my slice"
+  into a reduce-scatter, its CPU pipeline does not, so the plan says it directly;
+* once per step: with gradient accumulation, each device adds up its own partial sums over the
+  micro-batches and the step reduces them once after the last one (what Alpa's XLA fork did with
+  its gradient-accumulation rewrite). Exact only where every sum of the chain is lowered so and
+  nothing else reads the chain (`GradientChain.complete`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
-from autopar.planner.graph import OpGraph, OpNode, ValueRef
-from autopar.planner.plan import ReduceScatterLowering, Spec, replicated
+from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.planner.graph import (
+    OpGraph,
+    OpNode,
+    ValueKind,
+    ValueRef,
+    nodes_by_primitive,
+    resolve_input,
+)
+from autopar.planner.plan import (
+    ONCE_PER_STEP,
+    PER_MICRO_BATCH,
+    PartialSumLowering,
+    Spec,
+    replicated,
+)
 
 _SAME_LAYOUT = ("convert_element_type", "copy", "copy_p")
+# Primitives whose partial sums `runtime.interpreter` can lower (compute locally, sum explicitly).
+SUM_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add", "scatter_add")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientChain:
+    """The nodes a gradient (gradient boundary operand `position`) is computed through.
+
+    `sums` are the chain's leaves that sum over the batch; `complete` says that every leaf is
+    such a sum and that nothing but the chain reads any of its nodes, so partial sums can travel
+    it unreduced."""
+
+    position: int
+    grad_of: int  # the parameter index (of `autopar.grad`)
+    nodes: tuple[str, ...]
+    sums: tuple[str, ...]
+    complete: bool
+
+
+def param_inputs(graph: OpGraph) -> dict[int, int]:
+    """Parameter index (of `autopar.grad`) → the step input that stores that parameter."""
+    found: dict[int, int] = {}
+    for node in nodes_by_primitive(graph, PARAM_USE):
+        index = node.params["index"]
+        if index not in found:
+            source = resolve_input(graph, node.inputs[0])
+            if source is not None:
+                found[index] = source
+    return found
+
+
+def _is_size_one_sum(node: OpNode) -> bool:
+    return node.primitive == "reduce_sum" and all(
+        node.in_avals[0].shape[d] == 1 for d in node.params["axes"]
+    )
+
+
+def _passes_through(node: OpNode) -> bool:
+    """Whether a gradient keeps its layout through `node` (see the module docstring)."""
+    if node.primitive in (*_SAME_LAYOUT, "transpose", "add_any") or _is_size_one_sum(node):
+        return True
+    return node.primitive == "reshape" and _only_size_one_changes(
+        node.in_avals[0].shape, node.out_avals[0].shape
+    )
+
+
+def _only_size_one_changes(in_shape, out_shape) -> bool:
+    return [s for s in in_shape if s != 1] == [s for s in out_shape if s != 1]
+
+
+def gradient_chains(graph: OpGraph) -> list[GradientChain]:
+    """The chain of every gradient operand of the gradient boundary (module docstring)."""
+    outputs = {ref.node for ref in graph.outputs if ref.kind is ValueKind.NODE}
+    chains = []
+    for boundary in nodes_by_primitive(graph, GRAD_BOUNDARY):
+        for position, (ref, of) in enumerate(
+            zip(boundary.inputs, boundary.params["grad_of"], strict=True)
+        ):
+            if of < 0:
+                continue
+            nodes: list[str] = []
+            sums: list[str] = []
+            complete = ref.kind is ValueKind.NODE
+            stack = [ref] if complete else []
+            while stack:
+                node = graph.producer(stack.pop())
+                if node is None:
+                    complete = False
+                    continue
+                nodes.append(node.id)
+                if len(graph.consumers(node.id)) != 1 or node.id in outputs:
+                    complete = False
+                if node.primitive in SUM_PRIMITIVES and not _is_size_one_sum(node):
+                    sums.append(node.id)
+                elif _passes_through(node):
+                    stack.extend(node.inputs)
+                else:
+                    complete = False
+            chains.append(GradientChain(position, of, tuple(nodes), tuple(sums), complete))
+    return chains
 
 
 def _split(ndim: int, dim: int, axes: tuple[str, ...]) -> Spec:
@@ -29,12 +131,12 @@ def _first_divisible(dims: Iterable[int], shape: tuple[int, ...], n: int) -> int
     return next((d for d in dims if shape[d] % n == 0), None)
 
 
-def _dot_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowering | None:
+def _dot_lowering(node: OpNode, out_spec: Spec, axes, n) -> PartialSumLowering | None:
     (lhs_contract, rhs_contract), _ = node.params["dimension_numbers"]
     lhs, rhs = node.in_avals
     for lc, rc in zip(lhs_contract, rhs_contract, strict=True):
         if lhs.shape[lc] % n == 0:
-            return ReduceScatterLowering(
+            return PartialSumLowering(
                 operand_specs=(_split(len(lhs.shape), lc, axes), _split(len(rhs.shape), rc, axes)),
                 output_spec=out_spec,
                 partial_axes=axes,
@@ -42,15 +144,15 @@ def _dot_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowerin
     return None
 
 
-def _reduce_sum_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowering | None:
+def _reduce_sum_lowering(node: OpNode, out_spec: Spec, axes, n) -> PartialSumLowering | None:
     (operand,) = node.in_avals
     dim = _first_divisible(node.params["axes"], operand.shape, n)
     if dim is None:
         return None
-    return ReduceScatterLowering((_split(len(operand.shape), dim, axes),), out_spec, axes)
+    return PartialSumLowering((_split(len(operand.shape), dim, axes),), out_spec, axes)
 
 
-def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatterLowering | None:
+def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> PartialSumLowering | None:
     numbers = node.params["dimension_numbers"]
     if numbers.operand_batching_dims:
         return None
@@ -63,7 +165,7 @@ def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatte
         return None
     for u, i in zip(update_scatter_dims, index_batch_dims, strict=True):
         if updates.shape[u] % n == 0:
-            return ReduceScatterLowering(
+            return PartialSumLowering(
                 operand_specs=(
                     replicated(len(operand.shape)),
                     _split(len(indices.shape), i, axes),
@@ -77,10 +179,10 @@ def _scatter_add_lowering(node: OpNode, out_spec: Spec, axes, n) -> ReduceScatte
 
 def _squeeze_map(in_shape, out_shape, out_spec: Spec) -> Spec | None:
     """The input spec of a reshape that only adds or drops size-1 dims; None for other reshapes."""
+    if not _only_size_one_changes(in_shape, out_shape):
+        return None
     in_dims = [d for d, size in enumerate(in_shape) if size != 1]
     out_dims = [d for d, size in enumerate(out_shape) if size != 1]
-    if [in_shape[d] for d in in_dims] != [out_shape[d] for d in out_dims]:
-        return None
     in_spec: list = [None] * len(in_shape)
     for i, o in zip(in_dims, out_dims, strict=True):
         in_spec[i] = out_spec[o]
@@ -95,46 +197,80 @@ _LOWERINGS = {
 }
 
 
-def reduce_scatter_lowerings(
-    graph: OpGraph, targets: Iterable[tuple[ValueRef, Spec]], num_devices: int
-) -> dict[str, ReduceScatterLowering]:
-    """For each (gradient value, wanted split spec), the nodes to compute as local partial sums."""
-    found: dict[str, ReduceScatterLowering] = {}
+def _sum_specs(graph: OpGraph, ref: ValueRef, spec: Spec) -> dict[str, Spec]:
+    """The output spec of each sum node of a gradient's chain, given the gradient's `spec`."""
+    found: dict[str, Spec] = {}
 
     def visit(ref: ValueRef, spec: Spec) -> None:
         node = graph.producer(ref)
         if node is None or node.id in found:
             return
-        axes = next((entry for entry in spec if entry), None)
-        if axes is None:
-            return
         if node.primitive in _SAME_LAYOUT:
             visit(node.inputs[0], spec)
         elif node.primitive == "transpose":
             perm = node.params["permutation"]
-            in_spec = [None] * len(perm)
+            in_spec: list = [None] * len(perm)
             for out_dim, in_dim in enumerate(perm):
                 in_spec[in_dim] = spec[out_dim]
             visit(node.inputs[0], tuple(in_spec))
-        elif node.primitive == "reduce_sum" and all(
-            node.in_avals[0].shape[d] == 1 for d in node.params["axes"]
-        ):  # summing over size-1 dims only drops them
+        elif _is_size_one_sum(node):  # summing over size-1 dims only drops them
             in_spec = list(spec)
             for d in sorted(node.params["axes"]):
                 in_spec.insert(d, None)
             visit(node.inputs[0], tuple(in_spec))
         elif node.primitive == "reshape":
-            in_spec = _squeeze_map(node.in_avals[0].shape, node.out_avals[0].shape, spec)
-            if in_spec is not None:
-                visit(node.inputs[0], in_spec)
+            squeezed = _squeeze_map(node.in_avals[0].shape, node.out_avals[0].shape, spec)
+            if squeezed is not None:
+                visit(node.inputs[0], squeezed)
         elif node.primitive == "add_any":
             for operand in node.inputs:
                 visit(operand, spec)
         elif node.primitive in _LOWERINGS:
-            lowering = _LOWERINGS[node.primitive](node, spec, axes, num_devices)
-            if lowering is not None:
-                found[node.id] = lowering
+            found[node.id] = spec
 
-    for ref, spec in targets:
-        visit(ref, spec)
+    visit(ref, spec)
+    return found
+
+
+def partial_sum_lowerings(
+    graph: OpGraph,
+    targets: Iterable[tuple[ValueRef, Spec, bool]],
+    axes: tuple[str, ...],
+    num_devices: int,
+) -> dict[str, PartialSumLowering]:
+    """For each (gradient, its spec, once per step?): the sums of its chain to lower, with the
+    batch split over `axes` (`num_devices` devices). Once per step where asked and the chain is
+    complete; otherwise reduce-scattered per micro-batch where the gradient is split, and left
+    to XLA (an all-reduce) where it is not."""
+    complete = {c.nodes[0]: c.complete for c in gradient_chains(graph) if c.nodes}
+    found: dict[str, PartialSumLowering] = {}
+    for ref, spec, once in targets:
+        sums = _sum_specs(graph, ref, spec)
+        lowerings = {
+            node_id: _LOWERINGS[graph.node(node_id).primitive](
+                graph.node(node_id), node_spec, axes, num_devices
+            )
+            for node_id, node_spec in sums.items()
+        }
+        once = once and complete.get(ref.node, False) and None not in lowerings.values()
+        for node_id, lowering in lowerings.items():
+            if lowering is not None and once:
+                found[node_id] = dataclasses.replace(lowering, once_per_step=True)
+            elif lowering is not None and any(sums[node_id]):
+                found[node_id] = lowering
+    return found
+
+
+def gradient_reduction(
+    graph: OpGraph, summed: set[str], once: set[str], input_paths: tuple[str, ...]
+) -> dict[str, str]:
+    """For each parameter (input path) whose gradient chain has sums over devices (`summed`):
+    ONCE_PER_STEP if all of them are reduced once per step (`once`), else PER_MICRO_BATCH."""
+    params = param_inputs(graph)
+    found = {}
+    for chain in gradient_chains(graph):
+        sums = set(chain.sums) & summed
+        if sums and chain.grad_of in params:
+            how = ONCE_PER_STEP if sums <= once and set(chain.sums) <= once else PER_MICRO_BATCH
+            found[input_paths[params[chain.grad_of]]] = how
     return found

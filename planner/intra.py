@@ -4,7 +4,7 @@ Pipeline: group followers with their leaders (`groups`), find repeated layers (c
 group's strategies and costs and each edge's resharding (`menus`), solve the ILP with a memory
 budget (`ilp`), and write the result as a `StagePlan`: how every input is stored, the spec of every
 node's outputs, the operands to reshard before a node, and the nodes whose partial sums are
-reduce-scattered.
+reduce-scattered or, with micro-batches, reduced once per step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,14 @@ from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh
 from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
-from autopar.planner.explicit import param_inputs, split_spec
+from autopar.planner.explicit import split_spec
+from autopar.planner.gradients import (
+    SUM_PRIMITIVES,
+    GradientChain,
+    gradient_chains,
+    gradient_reduction,
+    param_inputs,
+)
 from autopar.planner.graph import OpGraph, ValueKind, nodes_by_primitive
 from autopar.planner.groups import (
     Group,
@@ -45,9 +53,9 @@ from autopar.planner.menus import Costs, Edge, MenuBuilder
 from autopar.planner.plan import (
     MeshPlan,
     OpGroupCost,
+    PartialSumLowering,
     Plan,
     Predicted,
-    ReduceScatterLowering,
     Spec,
     StagePlan,
     replicated,
@@ -58,8 +66,6 @@ from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
-# Nodes whose partial sums the runtime can reduce-scatter (runtime.interpreter._reduce_scatter).
-REDUCE_SCATTER_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add")
 _BUDGET_CORRECTIONS = 3  # re-solves when resharded copies take a plan over its memory budget
 # Storing a byte costs this fraction of moving it: breaks ties towards less memory.
 _STORAGE_TIE_BREAK = 1e-3
@@ -179,6 +185,8 @@ class _Problem:
     num_classes: int
     inputs: _InputMenus
     platform: str  # the cluster's: the CPU backend copies more buffers into layout
+    chains: list[GradientChain]  # with micro-batches: the gradients that may be reduced once
+    grad_end: int  # the last step of the gradient part (accumulators live until then)
 
 
 def _forced_batch_axis(mesh: LogicalMesh, config: IntraOpConfig) -> int | None:
@@ -205,7 +213,9 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
         for group in grouping.groups:
             group.cls = group.index
         num_classes = len(grouping.groups)
-    weights = dict.fromkeys(_grad_part(graph), float(k)) if k > 1 else {}
+    grad_part = _grad_part(graph)
+    weights = dict.fromkeys(grad_part, float(k)) if k > 1 else {}
+    chains = [c for c in gradient_chains(graph) if c.complete] if k > 1 else []
     axis = _forced_batch_axis(mesh, config)
     batch = program.signature.batch_inputs
     forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
@@ -218,12 +228,23 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
         inputs,
         forced,
         None if axis is None else mesh.axis_names[axis],
+        accumulable=frozenset(node for c in chains for node in c.sums),
     )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
     live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
+    grad_end = max((live.step_of_node.get(n, 0) for n in grad_part), default=0)
     return _Problem(
-        grouping, builder, group_costs, edges, live, num_classes, inputs, cluster.platform
+        grouping,
+        builder,
+        group_costs,
+        edges,
+        live,
+        num_classes,
+        inputs,
+        cluster.platform,
+        chains,
+        grad_end,
     )
 
 
@@ -249,7 +270,9 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
 
     A reduce-scatter's input is the whole local sum. On the CPU backend an all-reduce writes a
     new buffer, and a reduce-scatter whose dim is not the outermost one first copies its input
-    (a collective sends contiguous chunks; the dot wrote row-major).
+    (a collective sends contiguous chunks; the dot wrote row-major). A reduce-scatter put off to
+    the end of the step (`Strategy.accumulated`) keeps the whole sum as its accumulator through
+    the gradient part instead of a slice: (group, None, extra bytes, 0, end of that part).
     """
     grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
     buffers = []
@@ -258,12 +281,16 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
         for j, member in enumerate(group.members):
             aval = grouping.graph.node(member).out_avals[0]
             sizes = np.zeros(len(menu))
+            accumulators = np.zeros(len(menu))
             for k, strategies in enumerate(menu.strategies):
                 s = strategies[j]
                 if not s.partial_axes or split_size(builder.mesh, s.partial_axes) == 1:
                     continue
                 spec = s.out_specs[0]
                 reduced = builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
+                if s.accumulated and s.reduce_scatters:
+                    n = split_size(builder.mesh, s.partial_axes)
+                    accumulators[k] = reduced * (n - 1)
                 if not s.reduce_scatters:
                     sizes[k] = reduced if cpu else 0.0
                     continue
@@ -277,6 +304,8 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
             if sizes.any():
                 step = problem.live.step_of_node[member]
                 buffers.append((group.index, None, sizes, step, step))
+            if accumulators.any():
+                buffers.append((group.index, None, accumulators, 0, problem.grad_end))
     return buffers
 
 
@@ -497,6 +526,31 @@ def plan_shard_parallel(
     return plan
 
 
+def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Any]:
+    """Each planned node's strategy under the groups' `choice`."""
+    chosen = {}
+    for group in problem.grouping.groups:
+        strategies = problem.builder.menu(group).strategies[choice[group.index]]
+        chosen.update(zip(group.members, strategies, strict=True))
+    return chosen
+
+
+def _reduced_once(problem: _Problem, chosen: dict[str, Any]) -> set[str]:
+    """The gradient sums reduced once per step: those chosen so, where every sum of their
+    gradient is, over the same axes (otherwise the gradient's partial sums could not be added
+    up unreduced)."""
+    once: set[str] = set()
+    for chain in problem.chains:
+        strategies = [chosen[n] for n in chain.sums if n in chosen]
+        if (
+            len(strategies) == len(chain.sums) > 0
+            and all(s.accumulated for s in strategies)
+            and len({s.partial_axes for s in strategies}) == 1
+        ):
+            once.update(chain.sums)
+    return once
+
+
 def _emit(
     program: Program, problem: _Problem, mesh_plan: MeshPlan, memory: _Memory, choice: np.ndarray
 ) -> tuple[StagePlan, Predicted]:
@@ -511,7 +565,12 @@ def _emit(
 
     node_outputs: dict[str, tuple[Spec | None, ...]] = {}
     node_inputs: dict[str, tuple[Spec | None, ...]] = {}
-    reduce_scatter: dict[str, ReduceScatterLowering] = {}
+    partial_sums: dict[str, PartialSumLowering] = {}
+    chosen = _chosen_strategies(problem, choice)
+    once = _reduced_once(problem, chosen)
+    for node_id, s in chosen.items():  # the other sums chosen so are reduced per micro-batch
+        if s.accumulated and node_id not in once:
+            chosen[node_id] = dataclasses.replace(s, accumulated=False)
     # The prediction replays the plan: XLA reshards a value to a spec once for all its readers,
     # except at parameter uses.
     totals = Costs.zeros(())
@@ -527,7 +586,7 @@ def _emit(
             )
             continue
         group = grouping.groups[grouping.group_of_node[node.id]]
-        s = builder.menu(group).strategies[choice[group.index]][group.members.index(node.id)]
+        s = chosen[node.id]
         weight = builder.weights.get(node.id, 1.0)
         flops += weight * node.flops
         before = totals.at(())
@@ -567,17 +626,18 @@ def _emit(
         if any(n is not None for n in needs):
             node_inputs[node.id] = tuple(needs)
         if (
-            s.reduce_scatters
-            and node.primitive in REDUCE_SCATTER_PRIMITIVES
+            (s.reduce_scatters or s.accumulated)
+            and node.primitive in SUM_PRIMITIVES
             and split_size(builder.mesh, s.partial_axes) > 1  # over size-1 axes: nothing to sum
         ):
-            reduce_scatter[node.id] = ReduceScatterLowering(
+            partial_sums[node.id] = PartialSumLowering(
                 operand_specs=tuple(
                     spec if spec is not None else replicated(len(a.shape))
                     for spec, a in zip(s.in_specs, node.in_avals, strict=True)
                 ),
                 output_spec=s.out_specs[0],
                 partial_axes=s.partial_axes,
+                once_per_step=s.accumulated,
             )
     sig = program.signature
     output_specs = []
@@ -596,8 +656,18 @@ def _emit(
         output_specs=tuple(output_specs),
         node_output_specs=node_outputs,
         node_input_specs=node_inputs,
-        reduce_scatter=reduce_scatter,
+        partial_sums=partial_sums,
         op_costs=_top_op_costs(program, grouping, by_class),
+        gradient_reduction=(
+            gradient_reduction(
+                graph,
+                {n for n, s in chosen.items() if split_size(builder.mesh, s.partial_axes) > 1},
+                once,
+                sig.input_paths,
+            )
+            if builder.weights
+            else {}
+        ),
     )
     compute, blocking, overlap, comm_bytes = totals.at(())
     per_step = memory.evaluate_groups(choice) + np.cumsum(reshard_temps)[: problem.live.num_steps]

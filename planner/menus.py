@@ -11,6 +11,11 @@ runs per step (gradient accumulation runs the gradient part once per micro-batch
   issued ahead of use (prefetch), and the summing of gradients, which only the optimizer update
   waits for. The objective hides it behind compute (see `planner.ilp`).
 
+With micro-batches, a gradient's sum can run once per step (`Strategy.accumulated`): partial
+sums are added up on each device and reduced after the last micro-batch. An all-reduced sum
+always is (its accumulator is whole either way); a reduce-scattered one gets both choices, since
+reducing once needs a whole accumulator where reducing per micro-batch keeps a slice.
+
 Groups of one class (repeated layers) share a menu, computed once.
 """
 
@@ -103,6 +108,7 @@ class MenuBuilder:
         input_specs: Callable[[int], list[Spec]],
         batch_dims: dict[Value, int] | None = None,
         batch_axis: str | None = None,
+        accumulable: frozenset[str] = frozenset(),
     ) -> None:
         self.grouping = grouping
         self.mesh = mesh
@@ -112,6 +118,7 @@ class MenuBuilder:
         self.input_specs = input_specs
         self.batch_dims = batch_dims or {}
         self.batch_axis = batch_axis
+        self.accumulable = accumulable  # gradient sums that may be reduced once per step
         self._menus: dict[int, Menu] = {}
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
         self._warned: set[str] = set()
@@ -169,7 +176,35 @@ class MenuBuilder:
                 specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
             strategies.append(tuple(chosen))
             value_specs.append(specs)
-        return self._batch_split_only(group, Menu(strategies, value_specs))
+        return self._accumulation_choices(
+            group, self._batch_split_only(group, Menu(strategies, value_specs))
+        )
+
+    def _accumulation_choices(self, group: Group, menu: Menu) -> Menu:
+        """Each choice with the group's gradient sums reduced once per step; where some are
+        reduce-scattered, also the choice that reduces those per micro-batch (module
+        docstring)."""
+        members = [j for j, m in enumerate(group.members) if m in self.accumulable]
+        if not members:
+            return menu
+        strategies, value_specs = [], []
+        for choice, specs in zip(menu.strategies, menu.value_specs, strict=True):
+            summing = [j for j in members if split_size(self.mesh, choice[j].partial_axes) > 1]
+
+            def accumulate(keep_scattering: bool, choice=choice, summing=summing) -> tuple:
+                return tuple(
+                    dataclasses.replace(s, accumulated=True)
+                    if j in summing and not (keep_scattering and s.reduce_scatters)
+                    else s
+                    for j, s in enumerate(choice)
+                )
+
+            if any(choice[j].reduce_scatters for j in summing):
+                strategies.append(accumulate(True))
+                value_specs.append(specs)
+            strategies.append(accumulate(False))
+            value_specs.append(specs)
+        return Menu(strategies, value_specs)
 
     def _batch_split_only(self, group: Group, menu: Menu) -> Menu:
         """With a forced batch axis, the choices that split the group's batch dims over exactly
@@ -254,7 +289,8 @@ class MenuBuilder:
         costs.compute[where] += weight * node.flops / tiles / self.cluster.device_flops
         if s.partial_axes:
             seconds, nbytes = self._partial_sum_cost(node, s)
-            costs.add_comm(where, weight * seconds, weight * nbytes, overlappable)
+            times = 1.0 if s.accumulated else weight  # reduced once per step, or per run
+            costs.add_comm(where, times * seconds, times * nbytes, overlappable)
 
     def _partial_sum_cost(self, node: OpNode, s: Strategy) -> tuple[float, float]:
         out = node.out_avals[0]

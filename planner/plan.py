@@ -18,7 +18,7 @@ from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 5
+PLAN_FORMAT_VERSION = 6
 
 
 def replicated(ndim: int) -> Spec:
@@ -73,17 +73,26 @@ class MeshPlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReduceScatterLowering:
-    """Compute a node on local shards (operands split as given) and reduce-scatter the result.
+class PartialSumLowering:
+    """Compute a node on local shards (operands split as given) and sum the partial results over
+    `partial_axes` explicitly: reduce-scattered onto the dim that `output_spec` splits over
+    them, else all-reduced.
 
-    Used where a node sums over a split dimension (a gradient summed over the batch) and its
-    output is wanted split: the partial sums over `partial_axes` are reduce-scattered onto the
-    output dim that `output_spec` splits over them, instead of all-reduced.
+    Used where a node sums a gradient over a split dimension (the batch). With micro-batches,
+    `once_per_step` keeps each device's partial sums unreduced across micro-batches (a local,
+    unsplit accumulator) and reduces them once after the last one; otherwise each micro-batch's
+    sums are reduce-scattered as they are made (no full-size accumulator). All-reduces are
+    lowered only once per step: per micro-batch, XLA emits them by itself.
     """
 
     operand_specs: tuple[Spec | None, ...]
     output_spec: Spec
     partial_axes: tuple[str, ...]
+    once_per_step: bool = False
+
+
+ONCE_PER_STEP = "once per step"
+PER_MICRO_BATCH = "per micro-batch"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +101,7 @@ class StagePlan:
 
     `node_output_specs[node]` pins a node's outputs; `node_input_specs[node]` reshards operands
     right before a node (None: leave that operand as it is); `param_use_specs[i]` pins where
-    parameter i is used.
+    parameter i is used; `partial_sums[node]` sums a node's partial results explicitly.
     """
 
     index: int
@@ -103,7 +112,7 @@ class StagePlan:
     node_output_specs: Mapping[str, tuple[Spec | None, ...]] = dataclasses.field(
         default_factory=dict
     )
-    reduce_scatter: Mapping[str, ReduceScatterLowering] = dataclasses.field(default_factory=dict)
+    partial_sums: Mapping[str, PartialSumLowering] = dataclasses.field(default_factory=dict)
     node_input_specs: Mapping[str, tuple[Spec | None, ...]] = dataclasses.field(
         default_factory=dict
     )
@@ -111,6 +120,9 @@ class StagePlan:
     input_paths: tuple[str, ...] = ()  # pipeline stages: names of input_specs (else the plan's)
     predicted: Predicted | None = None  # pipeline stages: this stage's share of the step
     op_costs: tuple[OpGroupCost, ...] = ()  # the costliest op groups (ILP plans), costliest first
+    # With micro-batches: each parameter (input path) whose gradient is summed over devices,
+    # and when: ONCE_PER_STEP or PER_MICRO_BATCH.
+    gradient_reduction: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,19 +262,21 @@ def _stage_from_dict(d: Mapping[str, Any]) -> StagePlan:
         node_output_specs={
             k: tuple(_spec(s) for s in v) for k, v in d["node_output_specs"].items()
         },
-        reduce_scatter={
-            k: ReduceScatterLowering(
+        partial_sums={
+            k: PartialSumLowering(
                 operand_specs=tuple(_spec(s) for s in v["operand_specs"]),
                 output_spec=_spec(v["output_spec"]),
                 partial_axes=tuple(v["partial_axes"]),
+                once_per_step=v["once_per_step"],
             )
-            for k, v in d["reduce_scatter"].items()
+            for k, v in d["partial_sums"].items()
         },
         node_input_specs={k: tuple(_spec(s) for s in v) for k, v in d["node_input_specs"].items()},
         layers=None if d["layers"] is None else tuple(d["layers"]),
         input_paths=tuple(d["input_paths"]),
         predicted=None if d["predicted"] is None else Predicted(**d["predicted"]),
         op_costs=tuple(OpGroupCost(**c) for c in d["op_costs"]),
+        gradient_reduction=dict(d["gradient_reduction"]),
     )
 
 

@@ -38,11 +38,14 @@ class Strategy:
     ``in_specs[k]`` is None for operands that are literals (nothing to place). When
     ``partial_axes`` is non-empty, output 0 is first computed as partial sums over those axes;
     if ``out_specs[0]`` splits a dim over them the sums are reduce-scattered, else all-reduced.
+    ``accumulated`` (a gradient's sum, with micro-batches): each device adds up its partial sums
+    over the micro-batches and they are reduced once per step, not once per micro-batch.
     """
 
     in_specs: tuple[Spec | None, ...]
     out_specs: tuple[Spec, ...]
     partial_axes: Axes = ()
+    accumulated: bool = False
 
     @property
     def reduce_scatters(self) -> bool:

@@ -174,8 +174,28 @@ def _stage_lines(plan: Plan, stage: StagePlan, max_rows: int) -> list[str]:
         lines.append(f"    {group.label:<{width}}  {format_spec(group.spec)}{times}")
     if len(groups) > max_rows:
         lines.append(f"    ... and {len(groups) - max_rows} more rows")
-    if stage.reduce_scatter:
-        lines.append(f"  gradients reduce-scattered at {len(stage.reduce_scatter)} node(s)")
+    lines.extend(_gradient_lines(plan, stage, max_rows))
+    return lines
+
+
+def _gradient_lines(plan: Plan, stage: StagePlan, max_rows: int) -> list[str]:
+    """When each parameter's gradient is summed over devices, grouped by layer pattern."""
+    if not stage.gradient_reduction:
+        return []
+    by_when: dict[str, list[str]] = {}
+    for path, when in stage.gradient_reduction.items():
+        by_when.setdefault(when, []).append(path)
+    counts = ", ".join(f"{len(paths)} {when}" for when, paths in sorted(by_when.items()))
+    lines = [
+        f"  gradients summed over devices, over {plan.num_micro_batches} micro-batches: {counts}"
+    ]
+    width = min(90, max(len(w) for w in by_when))
+    for when, paths in sorted(by_when.items()):
+        groups = group_paths(paths, [None] * len(paths))
+        for group in groups[:max_rows]:
+            lines.append(f"    {when:<{width}}  {group.label}")
+        if len(groups) > max_rows:
+            lines.append(f"    {when:<{width}}  ... and {len(groups) - max_rows} more rows")
     return lines
 
 

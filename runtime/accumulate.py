@@ -4,7 +4,8 @@ The step's jaxpr is split at the `autopar_grad_boundary` marker. The eqns the bo
 run inside a `lax.scan` over micro-batches; the boundary's outputs (loss, aux, gradients) are
 averaged over micro-batches (the loss is assumed to be a mean over the batch, as in Alpa); the rest
 of the step (the optimizer update) runs once on the averages. Non-float outputs (counters) keep the
-last micro-batch's value.
+last micro-batch's value. Gradients the plan reduces once per step are carried through the loop as
+each device's unreduced partial sums and reduced after it: one collective per step, not k.
 
 Micro-batch j holds examples j, j+k, j+2k, ... of the batch. Strided micro-batches are local slices
 of a batch split over devices along dim 0, so forming them moves no data.
@@ -26,10 +27,13 @@ from autopar.planner.errors import PlanningError
 from autopar.planner.micro_batches import describe_eqn
 from autopar.runtime.interpreter import (
     ShardingRules,
+    Unreduced,
     constrain,
     evaluate_eqns,
     evaluate_jaxpr,
+    free_vars,
     read,
+    reduce_partial_sums,
 )
 
 Eqns = list[tuple[str, JaxprEqn]]
@@ -97,6 +101,30 @@ def _micro_batches(x: Any, k: int, sharding: NamedSharding | None) -> Any:
     return constrain(stacked, NamedSharding(sharding.mesh, type(spec)(None, *spec)))
 
 
+def _zeros_like(shape: Any, sharding: NamedSharding | None) -> Any:
+    """A zero accumulator shaped like `shape` (an array's or unreduced partial sums')."""
+    if isinstance(shape, Unreduced):
+        return constrain(
+            Unreduced(jnp.zeros(shape.stacked.shape, shape.stacked.dtype), shape.axes), sharding
+        )
+    return constrain(jnp.zeros(shape.shape, shape.dtype), sharding)
+
+
+def add_micro_batch(total: Any, value: Any) -> Any:
+    """Accumulate one micro-batch's boundary output: floats (and partial sums) add up, other
+    values (counters) keep the latest."""
+    if isinstance(value, Unreduced):
+        return Unreduced(total.stacked + value.stacked, value.axes)
+    return total + value if jnp.issubdtype(value.dtype, jnp.inexact) else value
+
+
+def mean_over_micro_batches(total: Any, k: int, sharding: NamedSharding | None, mesh) -> Any:
+    """The mean of an accumulated output; partial sums are reduced here, once per step."""
+    if isinstance(total, Unreduced):
+        total = reduce_partial_sums(total, sharding, mesh)
+    return total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total
+
+
 def accumulating_step(
     closed: ClosedJaxpr,
     rules: ShardingRules,
@@ -117,28 +145,40 @@ def accumulating_step(
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
         batch_vars = [jaxpr.invars[i] for i in batch_inputs]
+        step_inputs = [
+            v for v in free_vars(split.per_micro_batch) if v in env and v not in batch_vars
+        ]
         xs = [
             _micro_batches(args[i], k, s)
             for i, s in zip(batch_inputs, batch_shardings, strict=True)
         ]
 
-        def body(carry, micro_batch):
+        def micro_batch_outputs(micro_batch):
+            # Tied to the micro-batch, the step's other inputs are not loop-invariant: XLA
+            # cannot hoist per-micro-batch work on them (an FSDP parameter gather) out of the
+            # loop and keep its result alive through it, which is what the plan prices.
+            tied, micro_batch = jax.lax.optimization_barrier(
+                ([env[v] for v in step_inputs], micro_batch)
+            )
             local = dict(env)
+            local.update(zip(step_inputs, tied, strict=True))
             local.update(zip(batch_vars, micro_batch, strict=True))
             evaluate_eqns([*split.per_micro_batch, split.boundary], local, rules)
-            outs = [read(local, v) for v in boundary_eqn.outvars]
-            new = [
-                c + o if jnp.issubdtype(o.dtype, jnp.inexact) else o
-                for c, o in zip(carry, outs, strict=True)
-            ]
+            return [read(local, v) for v in boundary_eqn.outvars]
+
+        def body(carry, micro_batch):
+            outs = micro_batch_outputs(micro_batch)
+            new = [add_micro_batch(c, o) for c, o in zip(carry, outs, strict=True)]
             return [constrain(x, s) for x, s in zip(new, carry_specs, strict=True)], None
 
-        init = [
-            constrain(jnp.zeros(v.aval.shape, v.aval.dtype), s)
-            for v, s in zip(boundary_eqn.outvars, carry_specs, strict=True)
-        ]
+        # Which outputs are unreduced partial sums (and their shapes) shows when traced.
+        shapes = jax.eval_shape(micro_batch_outputs, [x[0] for x in xs])
+        init = [_zeros_like(x, s) for x, s in zip(shapes, carry_specs, strict=True)]
         totals, _ = jax.lax.scan(body, init, xs)
-        means = [t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t for t in totals]
+        means = [
+            mean_over_micro_batches(t, k, s, rules.mesh)
+            for t, s in zip(totals, carry_specs, strict=True)
+        ]
         env.update(zip(boundary_eqn.outvars, means, strict=True))
         evaluate_eqns(split.apply, env, rules)
         return tuple(read(env, v) for v in jaxpr.outvars)

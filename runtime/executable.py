@@ -114,6 +114,11 @@ class Executable:
         """Per collective kind, the byte size of each such op in the HLO (output shape)."""
         return collective_bytes(self.get_hlo_text())
 
+    def collective_bytes_per_step(self) -> dict[str, float]:
+        """Per collective kind, the bytes a step moves per device: an op inside the micro-batch
+        loop counts once per micro-batch (`Plan.predicted.communication_bytes` predicts it)."""
+        return collective_bytes_per_step(self.get_hlo_text())
+
 
 _DTYPE_BYTES = {
     "f64": 8,
@@ -143,12 +148,59 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+_COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(
+    r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)"
+    r"=\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _collective(line: str) -> tuple[str, int] | None:
+    """(kind, result bytes) of a collective op's HLO line (async pairs count at their start)."""
+    match = _COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line))  # tuples carry /*index=5*/
+    return (match.group(2), _shape_bytes(match.group(1))) if match else None
+
+
 def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
     """Parse HLO text: for each collective kind, the result bytes of each op (async starts once)."""
     found: dict[str, list[int]] = {kind: [] for kind in COLLECTIVES}
-    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
     for line in hlo_text.splitlines():
-        match = pattern.search(re.sub(r"/\*.*?\*/", "", line))  # tuples carry /*index=5*/
-        if match:
-            found[match.group(2)].append(_shape_bytes(match.group(1)))
+        if (op := _collective(line)) is not None:
+            found[op[0]].append(op[1])
+    return found
+
+
+def collective_bytes_per_step(hlo_text: str) -> dict[str, float]:
+    """Per collective kind, the bytes one run of the HLO moves: each op's result bytes times how
+    often it runs, i.e. the known trip counts of the while loops around it (a gradient
+    accumulation loop runs its body once per micro-batch)."""
+    lines: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = None if line.startswith(" ") else _COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            lines[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None:
+            lines[current].append(line)
+    runs: dict[str, float] = {}
+
+    def visit(name: str, times: float) -> None:
+        runs[name] = runs.get(name, 0.0) + times
+        for line in lines.get(name, ()):
+            trip = _TRIP_COUNT.search(line)
+            for called in _CALLED.findall(line):
+                for callee in called.split(","):
+                    visit(callee.strip().lstrip("%"), times * (int(trip.group(1)) if trip else 1))
+
+    if entry is not None:
+        visit(entry, 1.0)
+    found = dict.fromkeys(COLLECTIVES, 0.0)
+    for name, times in runs.items():
+        for line in lines.get(name, ()):
+            if (op := _collective(line)) is not None:
+                found[op[0]] += times * op[1]
     return found

@@ -88,6 +88,11 @@ class PipelineExecutable:
         """Per collective kind, the byte size of each such op over all compiled segments."""
         return collective_bytes(self.get_hlo_text())
 
+    def collective_bytes_per_step(self) -> list[dict[str, float]]:
+        """Per stage, per collective kind, the bytes its segments move per step per device
+        (after a call; `StageRunner.collective_bytes_per_step`)."""
+        return [runner.collective_bytes_per_step() for runner in self._runners]
+
     def memory_stats(self) -> list[MemoryStats | None]:
         """Per stage, XLA's memory analysis of its largest compiled segment (after a call)."""
         return [runner.memory_stats() for runner in self._runners]

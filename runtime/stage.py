@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Var
 from jax.sharding import NamedSharding
 
-from autopar.runtime.executable import MemoryStats
+from autopar.runtime.accumulate import add_micro_batch, mean_over_micro_batches
+from autopar.runtime.executable import COLLECTIVES, MemoryStats, collective_bytes_per_step
 from autopar.runtime.interpreter import (
     ShardingRules,
     build_mesh,
@@ -29,10 +29,6 @@ from autopar.runtime.layout import Key, PipelineLayout, Segment
 from autopar.runtime.schedules import TaskKind
 
 logger = logging.getLogger(__name__)
-
-
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def place(value: Any, sharding: NamedSharding | None) -> Any:
@@ -122,7 +118,9 @@ class StageRunner:
         if key not in self._jitted:
             if segment.kind is TaskKind.BACKWARD:
                 fn = self._backward_fn(segment, first, last)
-                self._jitted[key] = _Jitted(segment.name, fn, donate=() if first else (0,))
+                variant = "".join(("[first]" if first else "", "[last]" if last else ""))
+                name = segment.name + (variant or "[middle]")
+                self._jitted[key] = _Jitted(name, fn, donate=() if first else (0,))
             else:
                 self._jitted[key] = _Jitted(segment.name, self._segment_fn(segment))
         return self._jitted[key]
@@ -138,7 +136,11 @@ class StageRunner:
         return run
 
     def _backward_fn(self, segment: Segment, first: bool, last: bool):
+        """One micro-batch's backward, adding its gradients into the accumulators (unreduced
+        partial sums where the plan reduces once per step); the last one yields the means."""
         grads, k = self.program.grads, self.layout.num_micro_batches
+        boundary = self._rules.node_outputs.get(str(self.program.boundary_index))
+        specs = boundary[: len(grads)] if boundary else (None,) * len(grads)
 
         def run(acc, *args):
             env = dict(self._consts)
@@ -146,9 +148,12 @@ class StageRunner:
             evaluate_eqns(segment.eqns, env, self._rules)
             new = [read(env, g) for g in grads]
             if not first:
-                new = [a + g if _is_float(g) else g for a, g in zip(acc, new, strict=True)]
+                new = [add_micro_batch(a, g) for a, g in zip(acc, new, strict=True)]
             if last:
-                new = [a / k if _is_float(a) else a for a in new]
+                new = [
+                    mean_over_micro_batches(a, k, s, self.mesh)
+                    for a, s in zip(new, specs, strict=True)
+                ]
             outs = [constrain(read(env, v), self.output_sharding.get(v)) for v in segment.writes]
             return outs, new
 
@@ -163,6 +168,20 @@ class StageRunner:
     def hlo_text(self) -> str:
         """The compiled HLO of every segment variant that has run, each under a ``// name``."""
         return "\n".join(f"// {name}\n{compiled.as_text()}" for name, compiled in self.compiled())
+
+    def collective_bytes_per_step(self) -> dict[str, float]:
+        """Per collective kind, the bytes this stage's segments move per step per device: each
+        compiled variant times how often a step runs it (backward: first and last micro-batch
+        once each, the others k − 2 times)."""
+        k = self.layout.num_micro_batches
+        total = dict.fromkeys(COLLECTIVES, 0.0)
+        for (kind, _, first, last), jitted in self._jitted.items():
+            if jitted.compiled is None:
+                continue
+            runs = {TaskKind.FORWARD: k, TaskKind.APPLY: 1}.get(kind, 1 if first or last else k - 2)
+            for name, nbytes in collective_bytes_per_step(jitted.compiled.as_text()).items():
+                total[name] += runs * nbytes
+        return total
 
     def memory_stats(self) -> MemoryStats | None:
         """XLA's memory analysis of this stage's largest compiled segment (None before a run)."""

@@ -1,0 +1,207 @@
+"""Gradients cross the network once per step: accumulated on each device over micro-batches and
+reduced once, read off the compiled HLO (an op inside the micro-batch loop counts once per
+micro-batch), held against the plan's predicted bytes and the serial step's numerics."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_error
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar.planner.plan import ONCE_PER_STEP, PER_MICRO_BATCH
+from autopar.runtime.executable import collective_bytes
+from autopar.runtime.interpreter import Unreduced, reduce_partial_sums
+
+STEPS = 3
+SCALAR_SLACK = 64  # bytes: the loss is still all-reduced per micro-batch (4 bytes each)
+
+
+def _loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"])
+    h = jax.nn.relu(h @ params["w2"])
+    return jnp.mean((h @ params["w3"] - batch["y"]) ** 2)
+
+
+def _sgd_step(value_and_grad):
+    def step(params, batch):
+        loss, grads = value_and_grad(_loss)(params, batch)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    return step
+
+
+@functools.cache
+def _problem(batch_size: int, width: int, hidden: int):
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {
+        "w1": jax.random.normal(ks[0], (width, hidden)) * 0.05,
+        "w2": jax.random.normal(ks[1], (hidden, hidden)) * 0.05,
+        "w3": jax.random.normal(ks[2], (hidden, width)) * 0.05,
+    }
+    batch = {
+        "x": jax.random.normal(ks[3], (batch_size, width)),
+        "y": jax.random.normal(ks[4], (batch_size, width)),
+    }
+    serial = params
+    for _ in range(STEPS):
+        serial, _ = jax.jit(_sgd_step(jax.value_and_grad))(serial, batch)
+    return params, batch, serial
+
+
+def _run(method, shape=(64, 64, 128)):
+    """STEPS steps of `method`; returns (executable, final params, serial params)."""
+    params, batch, serial = _problem(*shape)
+    step = autopar.parallelize(_sgd_step(autopar.value_and_grad), method=method)
+    state = params
+    for _ in range(STEPS):
+        state, _ = step(state, batch)
+    return step.get_executable(params, batch), state, serial
+
+
+def _total(per_kind: dict[str, float]) -> float:
+    return sum(per_kind.values())
+
+
+@pytest.mark.parametrize("method", [autopar.DataParallel, autopar.Zero2Parallel])
+def test_data_parallel_family_reduces_gradients_once_per_step(method):
+    per_step = {}
+    for k in (1, 4):
+        executable, params, serial = _run(method(num_micro_batches=k))
+        assert relative_error(params, serial) <= 1e-5
+        per_step[k] = executable.collective_bytes_per_step()
+        assert _total(per_step[k]) == pytest.approx(
+            executable.plan.predicted.communication_bytes, abs=SCALAR_SLACK
+        )
+    reducing = "all-reduce" if method is autopar.DataParallel else "reduce-scatter"
+    assert per_step[1][reducing] > 10_000  # the gradients: ~64 KiB per step
+    assert per_step[4][reducing] == pytest.approx(per_step[1][reducing], abs=SCALAR_SLACK)
+    plan = executable.plan
+    assert set(plan.stages[0].gradient_reduction.values()) == {ONCE_PER_STEP}
+    assert "3 once per step" in plan.summary()
+
+
+def test_shard_parallel_data_parallel_axis_reduces_once_and_predicts_the_hlo():
+    """A plan that splits the batch: its gradient all-reduces leave the loop; the predicted bytes
+    per step equal the HLO's for k = 1, 4 and 16."""
+    per_step = {}
+    for k in (1, 4, 16):
+        executable, params, serial = _run(
+            autopar.ShardParallel(num_micro_batches=k), (512, 64, 128)
+        )
+        stage = executable.plan.stages[0]
+        assert any(spec[0] for spec in stage.input_specs[-2:])  # the batch is split
+        assert relative_error(params, serial) <= 1e-5
+        per_step[k] = _total(executable.collective_bytes_per_step())
+        assert per_step[k] == pytest.approx(executable.plan.predicted.communication_bytes, rel=1e-3)
+        if k > 1:
+            assert sum(lowering.once_per_step for lowering in stage.partial_sums.values()) == 3
+    assert per_step[1] > 100_000
+    assert per_step[16] == pytest.approx(per_step[1], abs=SCALAR_SLACK)
+
+
+def test_pipeline_stages_reduce_gradients_once_per_step():
+    """Two stages of four devices, data-parallel inside each: only the last micro-batch's
+    backward reduces gradients; each stage's bytes per step equal its prediction and k = 1's."""
+    per_stage = {}
+    for k in (1, 4):
+        method = autopar.PipeshardParallel(
+            num_micro_batches=k,
+            layer_option=autopar.AutoLayerOption(layer_num=2),
+            stage_option=autopar.UniformStageOption(2),
+        )
+        executable, params, serial = _run(method, (512, 64, 128))
+        assert relative_error(params, serial) <= 1e-5
+        plan = executable.plan
+        per_stage[k] = [_total(b) for b in executable.collective_bytes_per_step()]
+        for stage, hlo in zip(plan.stages, per_stage[k], strict=True):
+            assert stage.mesh.num_devices == 4
+            assert hlo == pytest.approx(stage.predicted.communication_bytes, rel=1e-3)
+    assert all(b > 10_000 for b in per_stage[1])
+    assert per_stage[4] == pytest.approx(per_stage[1], abs=SCALAR_SLACK)
+    middle = [text for name, text in _segments(executable.get_hlo_text()) if "[middle]" in name]
+    assert len(middle) == 2  # one per stage
+    assert all(
+        size <= 4 for text in middle for sizes in collective_bytes(text).values() for size in sizes
+    )
+
+
+def _segments(hlo: str) -> list[tuple[str, str]]:
+    """(segment name, its HLO) from a pipeline's ``// name``-headed HLO text."""
+    found: list[tuple[str, list[str]]] = []
+    for line in hlo.splitlines():
+        if line.startswith("// "):
+            found.append((line[3:], []))
+        elif found:
+            found[-1][1].append(line)
+    return [(name, "\n".join(lines)) for name, lines in found]
+
+
+def _zero3(device_memory: float):
+    autopar.init(
+        cluster_spec=dataclasses.replace(autopar.ClusterSpec.local(8), device_memory=device_memory)
+    )
+    try:
+        return _run(autopar.Zero3Parallel(num_micro_batches=4), (64, 256, 512))
+    finally:
+        autopar.shutdown()
+
+
+def test_zero3_reduces_once_with_memory_to_spare_and_per_micro_batch_when_tight():
+    """Reducing a split gradient once per step needs a whole accumulator instead of a slice:
+    the plan does so where the memory budget (the device memory) has room, largest first."""
+    roomy, params, serial = _zero3(8e9)
+    assert relative_error(params, serial) <= 1e-5
+    assert set(roomy.plan.stages[0].gradient_reduction.values()) == {ONCE_PER_STEP}
+    least = _zero3(1e3)[0].plan.predicted.memory_per_device_bytes  # nothing fits: all sliced
+    tight, params, serial = _zero3(least * 1.01)
+    assert relative_error(params, serial) <= 1e-5
+    assert set(tight.plan.stages[0].gradient_reduction.values()) == {PER_MICRO_BATCH}
+    assert tight.plan.predicted.memory_per_device_bytes <= least * 1.01
+    scattered = {
+        name: ex.collective_bytes_per_step()["reduce-scatter"]
+        for name, ex in (("roomy", roomy), ("tight", tight))
+    }
+    assert scattered["tight"] == pytest.approx(4 * scattered["roomy"])
+    # XLA agrees: the whole accumulators cost (1 - 1/8) of the gradients' bytes.
+    saved = roomy.memory_stats().temp_bytes - tight.memory_stats().temp_bytes
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert saved >= 0.8 * grad_bytes * (1 - 1 / 8)
+    assert "per micro-batch" in tight.plan.summary()
+    # Room for the largest gradient's accumulator (w2, 1 MiB) only.
+    mixed, params, serial = _zero3(least + 1.05 * 2**20 * (1 - 1 / 8))
+    assert relative_error(params, serial) <= 1e-5
+    assert mixed.plan.stages[0].gradient_reduction == {
+        "params['w1']": PER_MICRO_BATCH,
+        "params['w2']": ONCE_PER_STEP,
+        "params['w3']": PER_MICRO_BATCH,
+    }
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        P(),
+        P("a"),
+        P(None, "b"),
+        P(("b", "a")),
+        P(("a", "b")),
+        P("b", "a"),
+        P(None, ("a", "b")),
+    ],
+)
+def test_reduce_partial_sums_into_any_layout(target):
+    """Brute force over layouts on a 2x4 mesh: stacked partial sums over both axes reduce to
+    their sum, laid out as asked."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    partials = np.random.default_rng(0).normal(size=(8, 8, 16)).astype(np.float32)
+    value = Unreduced(jax.device_put(partials, NamedSharding(mesh, P(("a", "b")))), ("a", "b"))
+    sharding = NamedSharding(mesh, target)
+    out = jax.jit(lambda v: reduce_partial_sums(v, sharding, mesh))(value)
+    np.testing.assert_allclose(np.asarray(out), partials.sum(0), rtol=1e-5, atol=1e-5)
+    assert out.sharding.is_equivalent_to(sharding, 2)
