@@ -45,13 +45,14 @@ SUM_PRIMITIVES = ("dot_general", "reduce_sum", "scatter-add", "scatter_add")
 
 @dataclasses.dataclass(frozen=True)
 class GradientChain:
-    """The nodes a gradient (gradient boundary operand `position`) is computed through.
+    """The nodes a gradient (operand `position` of the gradient boundary) is computed through.
 
     `sums` are the chain's leaves that sum over the batch; `complete` says that every leaf is
     such a sum and that nothing but the chain reads any of its nodes, so partial sums can travel
     it unreduced."""
 
-    position: int
+    boundary: str  # the gradient boundary node
+    position: int  # the gradient's operand there
     grad_of: int  # the parameter index (of `autopar.grad`)
     nodes: tuple[str, ...]
     sums: tuple[str, ...]
@@ -117,7 +118,9 @@ def gradient_chains(graph: OpGraph) -> list[GradientChain]:
                     stack.extend(node.inputs)
                 else:
                     complete = False
-            chains.append(GradientChain(position, of, tuple(nodes), tuple(sums), complete))
+            chains.append(
+                GradientChain(boundary.id, position, of, tuple(nodes), tuple(sums), complete)
+            )
     return chains
 
 

@@ -526,6 +526,11 @@ def plan_shard_parallel(
     return plan
 
 
+def _without(spec: Spec, axes: tuple[str, ...]) -> Spec:
+    """`spec` with `axes` taken out of every dim (what the other axes split)."""
+    return tuple(tuple(a for a in e if a not in axes) or None if e else None for e in spec)
+
+
 def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Any]:
     """Each planned node's strategy under the groups' `choice`."""
     chosen = {}
@@ -571,6 +576,9 @@ def _emit(
     for node_id, s in chosen.items():  # the other sums chosen so are reduced per micro-batch
         if s.accumulated and node_id not in once:
             chosen[node_id] = dataclasses.replace(s, accumulated=False)
+    # Values that are each device's unreduced partial sums until the end of the step.
+    once_chains = [c for c in problem.chains if set(c.sums) <= once]
+    unreduced = {n: chosen[c.sums[0]].partial_axes for c in once_chains for n in c.nodes}
     # The prediction replays the plan: XLA reshards a value to a spec once for all its readers,
     # except at parameter uses.
     totals = Costs.zeros(())
@@ -590,14 +598,23 @@ def _emit(
         weight = builder.weights.get(node.id, 1.0)
         flops += weight * node.flops
         before = totals.at(())
-        builder.add_node_cost(totals, (), node, s, weight, node.id in builder.overlappable_nodes)
+        overlappable = node.id in builder.overlappable_nodes
+        builder.add_node_cost(totals, (), node, s, weight, overlappable, node.id not in once)
         node_outputs[node.id] = s.out_specs
         needs: list[Spec | None] = []
         for pos, ref in enumerate(node.inputs):
             value = grouping.value_of(ref)
             need = s.in_specs[pos]
             have = None if value is None else spec_of(value)
-            if value is None or need is None or need == have:
+            if (
+                value is None
+                or need is None
+                or need == have
+                or (
+                    value[0] in unreduced  # unreduced, only the other axes' layout counts
+                    and _without(have, unreduced[value[0]]) == _without(need, unreduced[value[0]])
+                )
+            ):
                 needs.append(None)
                 continue
             needs.append(need)
@@ -639,6 +656,13 @@ def _emit(
                 partial_axes=s.partial_axes,
                 once_per_step=s.accumulated,
             )
+    for chain in once_chains:  # reduced once, after the last micro-batch, as stored there
+        aval = graph.node(chain.boundary).in_avals[chain.position]
+        spec = node_outputs[chain.boundary][chain.position] or replicated(len(aval.shape))
+        seconds, nbytes = builder.sum_cost(
+            aval.shape, aval.dtype.itemsize, spec, unreduced[chain.nodes[0]]
+        )
+        totals.add_comm((), seconds, nbytes, True)
     sig = program.signature
     output_specs = []
     for j, (ref, aval) in enumerate(zip(graph.outputs, sig.output_avals, strict=True)):

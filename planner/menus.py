@@ -40,6 +40,7 @@ from autopar.planner.strategy import (
     LEADER_RULES,
     Strategy,
     replicated_strategy,
+    spec_axes,
     split_size,
 )
 
@@ -282,26 +283,38 @@ class MenuBuilder:
         return costs
 
     def add_node_cost(
-        self, costs: Costs, where, node: OpNode, s: Strategy, weight: float, overlappable: bool
+        self,
+        costs: Costs,
+        where,
+        node: OpNode,
+        s: Strategy,
+        weight: float,
+        overlappable: bool,
+        own_sum: bool = True,
     ) -> None:
-        """A node's compute and its own all-reduce/reduce-scatter under strategy `s`."""
+        """A node's compute and (unless not `own_sum`) its own all-reduce/reduce-scatter under
+        strategy `s`."""
         tiles = math.prod(self.mesh.axis_size(a) for a in s.mesh_axes())
         costs.compute[where] += weight * node.flops / tiles / self.cluster.device_flops
-        if s.partial_axes:
-            seconds, nbytes = self._partial_sum_cost(node, s)
+        if s.partial_axes and own_sum:
+            out = node.out_avals[0]
+            seconds, nbytes = self.sum_cost(
+                out.shape, out.dtype.itemsize, s.out_specs[0], s.partial_axes
+            )
             times = 1.0 if s.accumulated else weight  # reduced once per step, or per run
             costs.add_comm(where, times * seconds, times * nbytes, overlappable)
 
-    def _partial_sum_cost(self, node: OpNode, s: Strategy) -> tuple[float, float]:
-        out = node.out_avals[0]
-        n = split_size(self.mesh, s.partial_axes)
+    def sum_cost(self, shape, itemsize: int, spec: Spec, axes) -> tuple[float, float]:
+        """(seconds, result bytes per device) to sum partial sums over `axes` into `spec`:
+        reduce-scattered where `spec` splits over them, else all-reduced."""
+        n = split_size(self.mesh, axes)
         if n == 1:  # a sum over one device: nothing to reduce
             return 0.0, 0.0
-        nbytes = self.spec_bytes(out.shape, out.dtype.itemsize, s.out_specs[0])
-        if s.reduce_scatters:
-            cost = self.mesh.collective_cost(Collective.REDUCE_SCATTER, nbytes * n, s.partial_axes)
+        nbytes = self.spec_bytes(shape, itemsize, spec)
+        if set(axes) <= set(spec_axes(spec)):
+            cost = self.mesh.collective_cost(Collective.REDUCE_SCATTER, nbytes * n, axes)
         else:
-            cost = self.mesh.collective_cost(Collective.ALL_REDUCE, nbytes, s.partial_axes)
+            cost = self.mesh.collective_cost(Collective.ALL_REDUCE, nbytes, axes)
         return cost, nbytes
 
     # ------------------------------------------------------------------ edges
