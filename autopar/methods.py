@@ -50,7 +50,10 @@ class DataParallel:
     Args:
       devices: None (all devices of the runtime), a list of jax devices, or a `jax.sharding.Mesh`
         (every axis of it splits the batch).
-      num_micro_batches: accumulate gradients over this many micro-batches per step.
+      num_micro_batches: accumulate gradients over this many micro-batches per step; each
+        device adds up its own partial sums and the step reduces them once, after the last
+        micro-batch (ZeRO-2/3: where the device memory has room for whole accumulators, largest
+        gradients first; the others are reduce-scattered per micro-batch).
     """
 
     devices: Any = None
