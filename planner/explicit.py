@@ -102,7 +102,7 @@ def _gradients(program: Program, stage: ZeroStage, axes, n: int) -> list[_Gradie
     return found
 
 
-def _reduced_once(
+def _reduce_once_where_room(
     gradients: list[_Gradient], stage: ZeroStage, memory_without: float, budget: float, n: int
 ) -> list[bool]:
     """Which gradients to reduce once per step (k > 1). A gradient stored replicated always is
@@ -168,7 +168,7 @@ def plan_data_parallel(
     once = [False] * len(gradients)
     if k > 1 and n > 1:
         without = _memory(sig, input_specs, mesh, gradients, once, n)
-        once = _reduced_once(gradients, stage, without, cluster.device_memory, n)
+        once = _reduce_once_where_room(gradients, stage, without, cluster.device_memory, n)
     targets = [
         (g.operand, g.spec, o)
         for g, o in zip(gradients, once, strict=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
 
 import numpy as np
 
@@ -61,7 +60,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
-from autopar.planner.strategy import split_size, storage_specs
+from autopar.planner.strategy import Strategy, split_size, storage_specs
 from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -87,6 +86,9 @@ class IntraOpConfig:
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
     force_batch_dim_to_mesh_dim: int | None = None
     relative_gap: float | None = None  # accept plans this close to optimal (None: the solver's)
+    # With micro-batches: reduce-scatter gradients once per step where the budget has room for
+    # their whole accumulators (largest first); else per micro-batch.
+    reduce_scatter_once: bool = True
 
     def budget(self, cluster: ClusterSpec) -> float:
         """Bytes per device a plan may use: the set budget, else the cluster's device memory."""
@@ -270,9 +272,7 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
 
     A reduce-scatter's input is the whole local sum. On the CPU backend an all-reduce writes a
     new buffer, and a reduce-scatter whose dim is not the outermost one first copies its input
-    (a collective sends contiguous chunks; the dot wrote row-major). A reduce-scatter put off to
-    the end of the step (`Strategy.accumulated`) keeps the whole sum as its accumulator through
-    the gradient part instead of a slice: (group, None, extra bytes, 0, end of that part).
+    (a collective sends contiguous chunks; the dot wrote row-major).
     """
     grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
     buffers = []
@@ -281,16 +281,12 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
         for j, member in enumerate(group.members):
             aval = grouping.graph.node(member).out_avals[0]
             sizes = np.zeros(len(menu))
-            accumulators = np.zeros(len(menu))
             for k, strategies in enumerate(menu.strategies):
                 s = strategies[j]
                 if not s.partial_axes or split_size(builder.mesh, s.partial_axes) == 1:
                     continue
                 spec = s.out_specs[0]
                 reduced = builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
-                if s.accumulated and s.reduce_scatters:
-                    n = split_size(builder.mesh, s.partial_axes)
-                    accumulators[k] = reduced * (n - 1)
                 if not s.reduce_scatters:
                     sizes[k] = reduced if cpu else 0.0
                     continue
@@ -304,8 +300,6 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
             if sizes.any():
                 step = problem.live.step_of_node[member]
                 buffers.append((group.index, None, sizes, step, step))
-            if accumulators.any():
-                buffers.append((group.index, None, accumulators, 0, problem.grad_end))
     return buffers
 
 
@@ -431,6 +425,7 @@ class ShardingProblem:
         start = time.perf_counter()
         self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
         self.num_micro_batches = num_micro_batches
+        self.reduce_scatter_once = config.reduce_scatter_once and num_micro_batches > 1
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
         self.problem = _build(program, mesh, cluster, config, num_micro_batches)
         self.memory = _Memory(self.problem)
@@ -466,6 +461,8 @@ class ShardingProblem:
             target -= excess
         else:
             return None
+        if self.reduce_scatter_once:
+            stage, predicted = self._scatter_once(choice, budget, stage, predicted)
         elapsed = self.build_seconds + time.perf_counter() - start
         self.build_seconds = 0.0  # counted in the first plan only
         logger.info(
@@ -496,6 +493,28 @@ class ShardingProblem:
             fingerprint=program.fingerprint,
             notes=(note,),
         )
+
+    def _scatter_once(
+        self, choice: np.ndarray, budget: float, stage: StagePlan, predicted: Predicted
+    ) -> tuple[StagePlan, Predicted]:
+        """The plan with its reduce-scattered gradients reduced once per step instead, largest
+        first, as far as their whole accumulators fit in what `budget` leaves."""
+        problem = self.problem
+        chosen = _chosen_strategies(problem, choice)
+        room = budget - predicted.memory_per_device_bytes
+        upgraded: set[str] = set()
+        for chain, extra in sorted(
+            _scatter_once_candidates(problem, chosen, stage), key=lambda c: -c[1]
+        ):
+            if extra <= room:
+                upgraded.update(chain.sums)
+                room -= extra
+        if not upgraded:
+            return stage, predicted
+        found = _emit(
+            self.program, problem, self.mesh_plan, self.memory, choice, frozenset(upgraded)
+        )
+        return found if found[1].memory_per_device_bytes <= budget else (stage, predicted)
 
     def over_budget(self, budget: float, least: float | None = None) -> MemoryBudgetError:
         """The error for a budget nothing fits in, with the least memory that would fit
@@ -531,7 +550,7 @@ def _without(spec: Spec, axes: tuple[str, ...]) -> Spec:
     return tuple(tuple(a for a in e if a not in axes) or None if e else None for e in spec)
 
 
-def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Any]:
+def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Strategy]:
     """Each planned node's strategy under the groups' `choice`."""
     chosen = {}
     for group in problem.grouping.groups:
@@ -540,7 +559,35 @@ def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Any]:
     return chosen
 
 
-def _reduced_once(problem: _Problem, chosen: dict[str, Any]) -> set[str]:
+def _whole_accumulator_bytes(
+    problem: _Problem, chain: GradientChain, spec: Spec, axes: tuple[str, ...]
+) -> float:
+    """What a gradient's accumulator takes beyond its slice when it is reduce-scattered once per
+    step (into `spec`) instead of per micro-batch."""
+    aval = problem.grouping.graph.node(chain.boundary).in_avals[chain.position]
+    builder = problem.builder
+    whole = builder.spec_bytes(aval.shape, aval.dtype.itemsize, _without(spec, axes))
+    return whole - builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
+
+
+def _scatter_once_candidates(
+    problem: _Problem, chosen: dict[str, Strategy], stage: StagePlan
+) -> list[tuple[GradientChain, float]]:
+    """Gradients whose every sum is reduce-scattered per micro-batch over the same axes, with
+    the extra bytes reducing them once per step would take."""
+    found = []
+    for chain in problem.chains:
+        strategies = [chosen.get(n) for n in chain.sums]
+        if not strategies or any(s is None or not s.reduce_scatters for s in strategies):
+            continue
+        axes = {s.partial_axes for s in strategies}
+        spec = stage.node_output_specs[chain.boundary][chain.position]
+        if len(axes) == 1 and spec is not None:
+            found.append((chain, _whole_accumulator_bytes(problem, chain, spec, axes.pop())))
+    return found
+
+
+def _sums_reduced_once(problem: _Problem, chosen: dict[str, Strategy]) -> set[str]:
     """The gradient sums reduced once per step: those chosen so, where every sum of their
     gradient is, over the same axes (otherwise the gradient's partial sums could not be added
     up unreduced)."""
@@ -557,8 +604,15 @@ def _reduced_once(problem: _Problem, chosen: dict[str, Any]) -> set[str]:
 
 
 def _emit(
-    program: Program, problem: _Problem, mesh_plan: MeshPlan, memory: _Memory, choice: np.ndarray
+    program: Program,
+    problem: _Problem,
+    mesh_plan: MeshPlan,
+    memory: _Memory,
+    choice: np.ndarray,
+    scattered_once: frozenset[str] = frozenset(),
 ) -> tuple[StagePlan, Predicted]:
+    """The stage plan of the ILP's `choice` and its prediction; the gradient sums in
+    `scattered_once` are reduce-scattered once per step (`ShardingProblem._scatter_once`)."""
     grouping, builder = problem.grouping, problem.builder
     graph = grouping.graph
 
@@ -572,7 +626,9 @@ def _emit(
     node_inputs: dict[str, tuple[Spec | None, ...]] = {}
     partial_sums: dict[str, PartialSumLowering] = {}
     chosen = _chosen_strategies(problem, choice)
-    once = _reduced_once(problem, chosen)
+    for node_id in scattered_once:
+        chosen[node_id] = dataclasses.replace(chosen[node_id], accumulated=True)
+    once = _sums_reduced_once(problem, chosen)
     for node_id, s in chosen.items():  # the other sums chosen so are reduced per micro-batch
         if s.accumulated and node_id not in once:
             chosen[node_id] = dataclasses.replace(s, accumulated=False)
@@ -656,13 +712,16 @@ def _emit(
                 partial_axes=s.partial_axes,
                 once_per_step=s.accumulated,
             )
+    accumulators = 0.0  # whole where a reduce-scatter waits for the last micro-batch
     for chain in once_chains:  # reduced once, after the last micro-batch, as stored there
         aval = graph.node(chain.boundary).in_avals[chain.position]
         spec = node_outputs[chain.boundary][chain.position] or replicated(len(aval.shape))
-        seconds, nbytes = builder.sum_cost(
-            aval.shape, aval.dtype.itemsize, spec, unreduced[chain.nodes[0]]
-        )
+        axes = unreduced[chain.nodes[0]]
+        seconds, nbytes = builder.sum_cost(aval.shape, aval.dtype.itemsize, spec, axes)
         totals.add_comm((), seconds, nbytes, True)
+        accumulators += _whole_accumulator_bytes(problem, chain, spec, axes)
+    reshard_temps[0] += accumulators
+    reshard_temps[problem.grad_end + 1] -= accumulators
     sig = program.signature
     output_specs = []
     for j, (ref, aval) in enumerate(zip(graph.outputs, sig.output_avals, strict=True)):

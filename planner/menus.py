@@ -11,12 +11,11 @@ runs per step (gradient accumulation runs the gradient part once per micro-batch
   issued ahead of use (prefetch), and the summing of gradients, which only the optimizer update
   waits for. The objective hides it behind compute (see `planner.ilp`).
 
-With micro-batches, a gradient's sum can run once per step (`Strategy.accumulated`): partial
-sums are added up on each device and reduced after the last micro-batch. An all-reduced sum
-always is (its accumulator is whole either way); a reduce-scattered one gets both choices, since
-reducing once needs a whole accumulator where reducing per micro-batch keeps a slice.
-
-Groups of one class (repeated layers) share a menu, computed once.
+With micro-batches, a gradient's all-reduce runs once per step (`Strategy.accumulated`): partial
+sums are added up on each device and reduced after the last micro-batch, at no memory cost (the
+accumulator is whole either way). A reduce-scatter stays per micro-batch here; reducing it once
+needs a whole accumulator instead of a slice, which `intra.ShardingProblem` grants after the ILP
+where the memory budget has room.
 """
 
 from __future__ import annotations
@@ -177,35 +176,28 @@ class MenuBuilder:
                 specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
             strategies.append(tuple(chosen))
             value_specs.append(specs)
-        return self._accumulation_choices(
+        return self._accumulate_all_reduces(
             group, self._batch_split_only(group, Menu(strategies, value_specs))
         )
 
-    def _accumulation_choices(self, group: Group, menu: Menu) -> Menu:
-        """Each choice with the group's gradient sums reduced once per step; where some are
-        reduce-scattered, also the choice that reduces those per micro-batch (module
-        docstring)."""
-        members = [j for j, m in enumerate(group.members) if m in self.accumulable]
+    def _accumulate_all_reduces(self, group: Group, menu: Menu) -> Menu:
+        """The group's gradient sums that are all-reduced, reduced once per step instead
+        (module docstring)."""
+        members = {j for j, m in enumerate(group.members) if m in self.accumulable}
         if not members:
             return menu
-        strategies, value_specs = [], []
-        for choice, specs in zip(menu.strategies, menu.value_specs, strict=True):
-            summing = [j for j in members if split_size(self.mesh, choice[j].partial_axes) > 1]
-
-            def accumulate(keep_scattering: bool, choice=choice, summing=summing) -> tuple:
-                return tuple(
-                    dataclasses.replace(s, accumulated=True)
-                    if j in summing and not (keep_scattering and s.reduce_scatters)
-                    else s
-                    for j, s in enumerate(choice)
-                )
-
-            if any(choice[j].reduce_scatters for j in summing):
-                strategies.append(accumulate(True))
-                value_specs.append(specs)
-            strategies.append(accumulate(False))
-            value_specs.append(specs)
-        return Menu(strategies, value_specs)
+        strategies = [
+            tuple(
+                dataclasses.replace(s, accumulated=True)
+                if j in members
+                and split_size(self.mesh, s.partial_axes) > 1
+                and not s.reduce_scatters
+                else s
+                for j, s in enumerate(choice)
+            )
+            for choice in menu.strategies
+        ]
+        return Menu(strategies, menu.value_specs)
 
     def _batch_split_only(self, group: Group, menu: Menu) -> Menu:
         """With a forced batch axis, the choices that split the group's batch dims over exactly

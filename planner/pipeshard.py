@@ -274,7 +274,11 @@ class LayerCosts:
         key = (self._structures[layer], kind, intra.force_batch_dim_to_mesh_dim)
         if key not in self._plans:
             k = self.config.num_micro_batches
-            intra = dataclasses.replace(intra, relative_gap=CANDIDATE_GAP)
+            # A layer's plan reduce-scatters per micro-batch: whole accumulators are memory
+            # for the whole stage, which its final plan grants where its budget has room.
+            intra = dataclasses.replace(
+                intra, relative_gap=CANDIDATE_GAP, reduce_scatter_once=False
+            )
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
             self._plans[key] = _LayerPlans(stage, build, [], self.device_memory)
         return self._plans[key]

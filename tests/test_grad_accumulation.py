@@ -205,3 +205,36 @@ def test_reduce_partial_sums_into_any_layout(target):
     out = jax.jit(lambda v: reduce_partial_sums(v, sharding, mesh))(value)
     np.testing.assert_allclose(np.asarray(out), partials.sum(0), rtol=1e-5, atol=1e-5)
     assert out.sharding.is_equivalent_to(sharding, 2)
+
+
+def test_ilp_reduce_scatters_per_micro_batch_where_whole_accumulators_do_not_fit():
+    """ShardParallel storing optimizer state split (gradients reduce-scattered): with memory to
+    spare every gradient is reduced once per step; under a tighter budget the plan keeps
+    per-micro-batch reduce-scatters for what does not fit, stays within the budget, and
+    matches the serial step."""
+    params, batch, serial = _problem(512, 256, 512)
+
+    def method(budget):
+        option = autopar.AutoShardingOption(
+            prefer_reduce_scatter=True, memory_budget_per_device=budget
+        )
+        return autopar.ShardParallel(num_micro_batches=4, auto_sharding_option=option)
+
+    step = _sgd_step(autopar.value_and_grad)
+    roomy = autopar.plan(step, params, batch, method=method(None))
+    assert set(roomy.stages[0].gradient_reduction.values()) == {ONCE_PER_STEP}
+    tight = None
+    for fraction in (0.8, 0.75, 0.7, 0.65, 0.6):
+        budget = fraction * roomy.predicted.memory_per_device_bytes
+        plan = autopar.plan(step, params, batch, method=method(budget))
+        assert plan.predicted.memory_per_device_bytes <= budget
+        if PER_MICRO_BATCH in plan.stages[0].gradient_reduction.values():
+            tight = budget
+            break
+    assert tight is not None
+    executable, state, serial = _run(method(tight), (512, 256, 512))
+    assert relative_error(state, serial) <= 1e-5
+    scattered = executable.collective_bytes_per_step()["reduce-scatter"]
+    assert scattered == pytest.approx(
+        4 * sum(collective_bytes(executable.get_hlo_text())["reduce-scatter"])
+    )
