@@ -86,9 +86,9 @@ class IntraOpConfig:
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
     force_batch_dim_to_mesh_dim: int | None = None
     relative_gap: float | None = None  # accept plans this close to optimal (None: the solver's)
-    # With micro-batches: reduce-scatter gradients once per step where the budget has room for
-    # their whole accumulators (largest first); else per micro-batch.
-    reduce_scatter_once: bool = True
+    # With micro-batches: reduce gradients once per step (all-reduces always; reduce-scatters
+    # where the budget has room for their whole accumulators, largest first), not per micro-batch.
+    reduce_gradients_once: bool = True
 
     def budget(self, cluster: ClusterSpec) -> float:
         """Bytes per device a plan may use: the set budget, else the cluster's device memory."""
@@ -217,7 +217,8 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
         num_classes = len(grouping.groups)
     grad_part = _grad_part(graph)
     weights = dict.fromkeys(grad_part, float(k)) if k > 1 else {}
-    chains = [c for c in gradient_chains(graph) if c.complete] if k > 1 else []
+    once = k > 1 and config.reduce_gradients_once
+    chains = [c for c in gradient_chains(graph) if c.complete] if once else []
     axis = _forced_batch_axis(mesh, config)
     batch = program.signature.batch_inputs
     forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
@@ -425,7 +426,7 @@ class ShardingProblem:
         start = time.perf_counter()
         self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
         self.num_micro_batches = num_micro_batches
-        self.reduce_scatter_once = config.reduce_scatter_once and num_micro_batches > 1
+        self.reduce_scatter_once = config.reduce_gradients_once and num_micro_batches > 1
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
         self.problem = _build(program, mesh, cluster, config, num_micro_batches)
         self.memory = _Memory(self.problem)

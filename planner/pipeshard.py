@@ -274,10 +274,10 @@ class LayerCosts:
         key = (self._structures[layer], kind, intra.force_batch_dim_to_mesh_dim)
         if key not in self._plans:
             k = self.config.num_micro_batches
-            # A layer's plan reduce-scatters per micro-batch: whole accumulators are memory
-            # for the whole stage, which its final plan grants where its budget has room.
+            # Layers are priced with gradients reduced per micro-batch, as the stage search's
+            # memory ladder needs (README); each chosen stage's plan reduces them once per step.
             intra = dataclasses.replace(
-                intra, relative_gap=CANDIDATE_GAP, reduce_scatter_once=False
+                intra, relative_gap=CANDIDATE_GAP, reduce_gradients_once=False
             )
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
             self._plans[key] = _LayerPlans(stage, build, [], self.device_memory)
