@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -571,35 +572,59 @@ def _whole_accumulator_bytes(
     return whole - builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
 
 
+def _same_axes_sums(chain: GradientChain, chosen: dict[str, Strategy]) -> tuple[str, ...] | None:
+    """The mesh axes all sums of a gradient are split over, if they are the same for all and
+    span more than one device (else None: the gradient cannot travel unreduced)."""
+    strategies = [chosen.get(n) for n in chain.sums]
+    if not strategies or any(s is None for s in strategies):
+        return None
+    axes = {s.partial_axes for s in strategies}
+    return (
+        axes.pop()
+        if len(axes) == 1 and any(s.accumulated or s.reduce_scatters for s in strategies)
+        else None
+    )
+
+
 def _scatter_once_candidates(
     problem: _Problem, chosen: dict[str, Strategy], stage: StagePlan
 ) -> list[tuple[GradientChain, float]]:
-    """Gradients whose every sum is reduce-scattered per micro-batch over the same axes, with
-    the extra bytes reducing them once per step would take."""
+    """Gradients stored split that are reduced per micro-batch, with the extra bytes their
+    whole accumulators would take if they were reduced once per step."""
     found = []
     for chain in problem.chains:
-        strategies = [chosen.get(n) for n in chain.sums]
-        if not strategies or any(s is None or not s.reduce_scatters for s in strategies):
-            continue
-        axes = {s.partial_axes for s in strategies}
+        axes = _same_axes_sums(chain, chosen)
         spec = stage.node_output_specs[chain.boundary][chain.position]
-        if len(axes) == 1 and spec is not None:
-            found.append((chain, _whole_accumulator_bytes(problem, chain, spec, axes.pop())))
+        if (
+            axes is None
+            or spec is None
+            or set(chain.sums) <= set(stage.partial_sums)
+            and all(stage.partial_sums[n].once_per_step for n in chain.sums)
+        ):
+            continue
+        extra = _whole_accumulator_bytes(problem, chain, spec, axes)
+        if extra > 0:
+            found.append((chain, extra))
     return found
 
 
-def _sums_reduced_once(problem: _Problem, chosen: dict[str, Strategy]) -> set[str]:
+def _sums_reduced_once(
+    problem: _Problem,
+    chosen: dict[str, Strategy],
+    boundary_spec: Callable[[GradientChain], Spec],
+    scattered_once: frozenset[str],
+) -> set[str]:
     """The gradient sums reduced once per step: those chosen so, where every sum of their
     gradient is, over the same axes (otherwise the gradient's partial sums could not be added
-    up unreduced)."""
+    up unreduced), and where the gradient is stored split, only those `scattered_once` grants
+    (their whole accumulators cost memory)."""
     once: set[str] = set()
     for chain in problem.chains:
-        strategies = [chosen[n] for n in chain.sums if n in chosen]
-        if (
-            len(strategies) == len(chain.sums) > 0
-            and all(s.accumulated for s in strategies)
-            and len({s.partial_axes for s in strategies}) == 1
-        ):
+        axes = _same_axes_sums(chain, chosen)
+        if axes is None or not all(chosen[n].accumulated for n in chain.sums):
+            continue
+        whole = _whole_accumulator_bytes(problem, chain, boundary_spec(chain), axes) > 0
+        if not whole or set(chain.sums) <= scattered_once:
             once.update(chain.sums)
     return once
 
@@ -629,7 +654,17 @@ def _emit(
     chosen = _chosen_strategies(problem, choice)
     for node_id in scattered_once:
         chosen[node_id] = dataclasses.replace(chosen[node_id], accumulated=True)
-    once = _sums_reduced_once(problem, chosen)
+
+    def boundary_spec(chain: GradientChain) -> Spec:
+        """How the plan stores a gradient at the boundary: what its reduction yields."""
+        if chain.boundary in chosen:
+            return chosen[chain.boundary].out_specs[chain.position]
+        ref = graph.node(chain.boundary).inputs[chain.position]
+        aval = graph.node(chain.boundary).in_avals[chain.position]
+        value = grouping.value_of(ref)
+        return replicated(len(aval.shape)) if value is None else spec_of(value)
+
+    once = _sums_reduced_once(problem, chosen, boundary_spec, scattered_once)
     for node_id, s in chosen.items():  # the other sums chosen so are reduced per micro-batch
         if s.accumulated and node_id not in once:
             chosen[node_id] = dataclasses.replace(s, accumulated=False)
