@@ -171,8 +171,11 @@ def accumulating_step(
             new = [add_micro_batch(c, o) for c, o in zip(carry, outs, strict=True)]
             return [constrain(x, s) for x, s in zip(new, carry_specs, strict=True)], None
 
-        # Which outputs are unreduced partial sums (and their shapes) shows when traced.
-        shapes = jax.eval_shape(micro_batch_outputs, [x[0] for x in xs])
+        if any(lowering.once_per_step for lowering in rules.partial_sums.values()):
+            # Which outputs are unreduced partial sums (and their shapes) shows when traced.
+            shapes = jax.eval_shape(micro_batch_outputs, [x[0] for x in xs])
+        else:
+            shapes = [v.aval for v in boundary_eqn.outvars]
         init = [_zeros_like(x, s) for x, s in zip(shapes, carry_specs, strict=True)]
         totals, _ = jax.lax.scan(body, init, xs)
         means = [
