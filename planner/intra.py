@@ -574,7 +574,7 @@ def _whole_accumulator_bytes(
 
 def _same_axes_sums(chain: GradientChain, chosen: dict[str, Strategy]) -> tuple[str, ...] | None:
     """The mesh axes all sums of a gradient are split over, if they are the same for all and
-    span more than one device (else None: the gradient cannot travel unreduced)."""
+    the sums are reduced over devices (else None: the gradient cannot travel unreduced)."""
     strategies = [chosen.get(n) for n in chain.sums]
     if not strategies or any(s is None for s in strategies):
         return None
@@ -595,12 +595,7 @@ def _scatter_once_candidates(
     for chain in problem.chains:
         axes = _same_axes_sums(chain, chosen)
         spec = stage.node_output_specs[chain.boundary][chain.position]
-        if (
-            axes is None
-            or spec is None
-            or set(chain.sums) <= set(stage.partial_sums)
-            and all(stage.partial_sums[n].once_per_step for n in chain.sums)
-        ):
+        if axes is None or spec is None:
             continue
         extra = _whole_accumulator_bytes(problem, chain, spec, axes)
         if extra > 0:

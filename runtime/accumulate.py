@@ -103,11 +103,7 @@ def _micro_batches(x: Any, k: int, sharding: NamedSharding | None) -> Any:
 
 def _zeros_like(shape: Any, sharding: NamedSharding | None) -> Any:
     """A zero accumulator shaped like `shape` (an array's or unreduced partial sums')."""
-    if isinstance(shape, Unreduced):
-        return constrain(
-            Unreduced(jnp.zeros(shape.stacked.shape, shape.stacked.dtype), shape.axes), sharding
-        )
-    return constrain(jnp.zeros(shape.shape, shape.dtype), sharding)
+    return constrain(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape), sharding)
 
 
 def add_micro_batch(total: Any, value: Any) -> Any:
