@@ -38,6 +38,7 @@ from autopar.planner.errors import (
     TracingError,
 )
 from autopar.planner.plan import Plan
+from autopar.runtime.cluster_profile import profile_cluster
 from autopar.runtime.executable import Executable, MemoryStats
 from autopar.runtime.local import PipelineExecutable
 from autopar.runtime.ray import (
@@ -87,6 +88,7 @@ __all__ = [
     "parallelize",
     "plan",
     "prefetch_batches",
+    "profile_cluster",
     "restore_checkpoint",
     "save_checkpoint",
     "shutdown",

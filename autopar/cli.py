@@ -13,6 +13,12 @@ allocated, no device of that cluster is needed). The plan summary goes to stdout
 stderr; ``--explain`` adds the comparison with baselines, ``--json`` writes ``plan.to_json()``
 and ``--png`` the picture of `Plan.draw`.
 
+    autopar profile-cluster --out cluster.json [--devices N]
+
+``profile-cluster`` measures this machine's devices (`autopar.profile_cluster`: matmul rates,
+memory bandwidth, kernel floor, collective latency and bandwidth; a few seconds) and writes the
+`ClusterSpec` as JSON for ``plan --cluster``; its figures go to stdout.
+
 Bad input (an unknown preset, a malformed ClusterSpec file, a TARGET that does not import, a
 batch that does not divide into micro-batches x devices, a missing output directory) prints one
 line ``autopar: error: ...`` on stderr, exits with code 2 and writes nothing; a step with no plan
@@ -25,6 +31,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import pathlib
@@ -155,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", metavar="OUT", help="write the plan as JSON")
     plan.add_argument("--png", metavar="OUT", help="draw the plan (device grid, timeline)")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress log on stderr")
+    profile = commands.add_parser(
+        "profile-cluster",
+        help="measure this machine's devices and write their ClusterSpec as JSON",
+        description="Measure the local devices (matmuls, memory, collectives) and write the "
+        "ClusterSpec JSON that plan --cluster reads.",
+    )
+    profile.add_argument("--out", metavar="PATH", required=True, help="the JSON file to write")
+    profile.add_argument(
+        "--devices", type=_positive_int, help="profile the first N local devices (default: all)"
+    )
+    profile.add_argument("-q", "--quiet", action="store_true", help="no progress log on stderr")
     return parser
 
 
@@ -339,6 +357,33 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_command(args: argparse.Namespace) -> int:
+    """`autopar profile-cluster`: see the module docstring."""
+    _check_output(args.out, "--out")
+    import jax
+
+    from autopar.runtime.cluster_profile import measure_cluster
+
+    local = jax.local_devices()
+    n = len(local) if args.devices is None else args.devices
+    if n > len(local):
+        raise CliError(
+            f"--devices {n}: this machine has {len(local)} {local[0].platform} device(s) "
+            "(simulate more CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
+    logger.info("profiling %d %s device(s)", n, local[0].platform)
+    profile = measure_cluster(local[:n])
+    print(profile.summary())
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile.spec.to_dict(), f, indent=2)
+        f.write("\n")
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+COMMANDS = {"plan": plan_command, "profile-cluster": profile_command}
+
+
 def _one_line(message: str) -> str:
     return " ".join(str(message).split())
 
@@ -356,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             root.propagate = False  # absl (via orbax) may have configured the root logger
             if root.getEffectiveLevel() > logging.INFO:
                 root.setLevel(logging.INFO)
-        return plan_command(args)
+        return COMMANDS[args.command](args)
     except CliError as e:
         print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

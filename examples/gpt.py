@@ -1,8 +1,10 @@
 """The main demo: a GPT train step (flax linen, AdamW) planned and run on 8 simulated CPU devices.
 
-    python examples/gpt.py [--method dp|zero2|zero3] [--micro-batches K] [--hidden H] [--layers L]
+    python examples/gpt.py [--method auto|dp|zero2|zero3] [--micro-batches K] [--layers L]
 
-Prints the plan, XLA's per-device memory, and the loss of a few steps.
+Prints the plan autopar chose (by default the automatic one: ShardParallel's ILP), how it
+compares with the hand layouts (DP, ZeRO-2, ZeRO-3, Megatron) under the same cost model, XLA's
+per-device memory, and the loss of a few steps.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import jax  # noqa: E402
 from autopar.models import GPTConfig, gpt  # noqa: E402
 
 METHODS = {
+    "auto": autopar.ShardParallel,
     "dp": autopar.DataParallel,
     "zero2": autopar.Zero2Parallel,
     "zero3": autopar.Zero3Parallel,
@@ -24,7 +27,7 @@ METHODS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=sorted(METHODS), default="zero3")
+    parser.add_argument("--method", choices=sorted(METHODS), default="auto")
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=128)
@@ -42,6 +45,8 @@ def main() -> None:
     print(f"GPT {gpt.param_count(config):,} parameters on {len(jax.devices())} devices\n")
     executable = train_step.get_executable(state, batch)
     print(executable.plan.summary(max_rows=12))
+    print()
+    print(executable.plan.explain())
     mem = executable.memory_stats()
     print(
         f"\nXLA memory per device: arguments {mem.argument_bytes / 2**20:.2f} MiB, "

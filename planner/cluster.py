@@ -4,6 +4,13 @@ The planner never touches devices, so a `ClusterSpec` stands for them: plans for
 made on a laptop. The physical mesh is (num_hosts, devices_per_host); axis 0 crosses hosts,
 axis 1 stays inside one. Units: FLOP/s, bytes, bytes/s, seconds.
 
+Compute is priced per op as a roofline (`autopar.planner.cost.op_time`): the op's FLOPs at the
+peak for its dtype (`peak_flops`: 16-bit, TF32 or fp32) times `compute_efficiency`, against the
+bytes it moves at `memory_bandwidth` times `memory_efficiency`, plus `kernel_overhead_s` per
+kernel. The fields after `platform` have defaults that reproduce the FLOP-only model older plan
+files were priced with (memory bandwidth unknown, so memory-bound work is free): the presets and
+`autopar.profile_cluster()` give real figures.
+
 Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
 `autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
 when every device of a host talks across hosts at once (host NIC bandwidth / devices_per_host),
@@ -24,7 +31,10 @@ from typing import Any
 _INT_FIELDS = ("num_hosts", "devices_per_host")
 PLATFORMS = ("gpu", "cpu")
 _POSITIVE_FIELDS = ("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth")
-_NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency")
+_NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency", "kernel_overhead_s")
+_OPTIONAL_POSITIVE_FIELDS = ("memory_bandwidth", "fp32_flops", "tf32_flops")
+_FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
+_SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +51,12 @@ class ClusterSpec:
     inter_host_latency: float
     name: str = "custom"
     platform: str = "gpu"  # the XLA backend that compiles for it: its memory layout rules differ
+    memory_bandwidth: float | None = None  # bytes/s of device memory; None: not priced
+    fp32_flops: float | None = None  # fp32 peak (no tensor cores); None: device_flops
+    tf32_flops: float | None = None  # fp32 matmuls at default precision; None: fp32_flops
+    compute_efficiency: float = 1.0  # share of the peak a large matmul reaches
+    memory_efficiency: float = 1.0  # share of memory_bandwidth a streaming kernel reaches
+    kernel_overhead_s: float = 0.0  # launch floor of every kernel
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:
@@ -58,6 +74,17 @@ class ClusterSpec:
                     f"ClusterSpec.{field} must be a {kind} finite number, got {value!r}"
                 )
             object.__setattr__(self, field, float(value))  # one type in reprs and JSON
+        for field in _OPTIONAL_POSITIVE_FIELDS + _FRACTION_FIELDS:
+            value = getattr(self, field)
+            if value is None and field in _OPTIONAL_POSITIVE_FIELDS:
+                continue
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value > 0
+            ok = ok and (field not in _FRACTION_FIELDS or value <= 1)
+            if not ok:
+                kind = "number in (0, 1]" if field in _FRACTION_FIELDS else "positive finite number"
+                raise ValueError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
+            object.__setattr__(self, field, float(value))
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
         if self.platform not in PLATFORMS:
@@ -72,6 +99,27 @@ class ClusterSpec:
     @property
     def physical_mesh_shape(self) -> tuple[int, int]:
         return (self.num_hosts, self.devices_per_host)
+
+    @property
+    def overlaps_communication(self) -> bool:
+        """Whether collectives can run beside compute: a GPU runs them on their own streams
+        (NCCL kernels next to the compute kernels); a CPU's collectives are copies made by the
+        cores that compute, so the time they take is never hidden."""
+        return self.platform == "gpu"
+
+    def peak_flops(
+        self, dtype: Any, matmul: bool = False, highest_precision: bool = False
+    ) -> float:
+        """FLOP/s peak for arithmetic in `dtype`: 16-bit floats at `device_flops`; fp32 matmuls
+        at `tf32_flops` unless `highest_precision` (JAX's default lets XLA use TF32 on GPUs);
+        everything else at `fp32_flops`."""
+        name = getattr(dtype, "name", str(dtype))
+        if name in _SIXTEEN_BIT:
+            return self.device_flops
+        fp32 = self.fp32_flops or self.device_flops
+        if matmul and name == "float32" and not highest_precision:
+            return self.tf32_flops or fp32
+        return fp32
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; `ClusterSpec.from_dict` reads it back unchanged."""
@@ -159,6 +207,10 @@ class ClusterSpec:
             inter_host_latency=10e-6,
             name=f"local-{num_devices}",
             platform="cpu",
+            memory_bandwidth=10e9,  # ~10 GB/s: a share of a laptop's DRAM bandwidth
+            compute_efficiency=0.8,
+            memory_efficiency=0.8,
+            kernel_overhead_s=2e-6,  # ~2 µs: dispatching one fused loop
         )
 
 
@@ -167,6 +219,19 @@ class ClusterSpec:
 # so this is the start-up cost of one collective, not of a full ring pass.
 _NVLINK_ALPHA = 8.4e-6 + 3.4e-6  # 11.8 µs
 _NETWORK_ALPHA = 8.4e-6 + 14e-6  # 22.4 µs
+# What kernels reach of the datasheet peaks (shared by the GPU presets): cuBLAS/cuDNN GEMMs of
+# training shapes run at 70–85% of tensor-core peak (NVIDIA's Deep Learning Performance guide,
+# "Matrix Multiplication Background"), and a streaming copy at ~90% of HBM bandwidth (BabelStream
+# on V100/A100/H100). A kernel launch with its grid set-up costs a few µs (CUDA launch latency
+# ≈ 3–5 µs; XLA launches each fusion on its own).
+_GPU_COMPUTE_EFFICIENCY = 0.75
+_GPU_MEMORY_EFFICIENCY = 0.9
+_GPU_KERNEL_OVERHEAD_S = 4e-6
+_GPU_EFFICIENCIES = {
+    "compute_efficiency": _GPU_COMPUTE_EFFICIENCY,
+    "memory_efficiency": _GPU_MEMORY_EFFICIENCY,
+    "kernel_overhead_s": _GPU_KERNEL_OVERHEAD_S,
+}
 
 _PRESETS: dict[str, ClusterSpec] = {
     # AWS p3.16xlarge, Alpa's testbed (REFERENCE.md): 8 × V100 16 GB with NVLink, 25 Gb/s network.
@@ -180,6 +245,10 @@ _PRESETS: dict[str, ClusterSpec] = {
         intra_host_latency=_NVLINK_ALPHA,
         inter_host_latency=_NETWORK_ALPHA,
         name="8xV100-p3",
+        memory_bandwidth=900e9,  # V100 SXM2 HBM2 (datasheet)
+        fp32_flops=15.7e12,  # V100 SXM2 fp32 (datasheet); no TF32 on Volta
+        tf32_flops=15.7e12,
+        **_GPU_EFFICIENCIES,
     ),
     # DGX/HGX A100 80 GB node.
     "8xA100-80G": ClusterSpec(
@@ -192,6 +261,10 @@ _PRESETS: dict[str, ClusterSpec] = {
         intra_host_latency=_NVLINK_ALPHA,
         inter_host_latency=_NETWORK_ALPHA,
         name="8xA100-80G",
+        memory_bandwidth=2.039e12,  # A100 80GB SXM HBM2e (datasheet)
+        fp32_flops=19.5e12,  # A100 fp32 (datasheet)
+        tf32_flops=156e12,  # A100 TF32 dense tensor-core peak
+        **_GPU_EFFICIENCIES,
     ),
     # DGX/HGX H100 80 GB (SXM) node.
     "8xH100-80G": ClusterSpec(
@@ -206,6 +279,10 @@ _PRESETS: dict[str, ClusterSpec] = {
         intra_host_latency=_NVLINK_ALPHA,
         inter_host_latency=_NETWORK_ALPHA,
         name="8xH100-80G",
+        memory_bandwidth=3.35e12,  # H100 SXM HBM3 (datasheet)
+        fp32_flops=67e12,  # H100 SXM fp32 (datasheet)
+        tf32_flops=494.7e12,  # H100 SXM TF32 dense tensor-core peak
+        **_GPU_EFFICIENCIES,
     ),
 }
 PRESETS: Mapping[str, ClusterSpec] = MappingProxyType(_PRESETS)

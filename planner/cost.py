@@ -55,11 +55,6 @@ def all_to_all_cost(num_bytes: float, n: int, bandwidth: float, latency: float) 
     return 0.0 if n == 1 else latency + (n - 1) / n**2 * num_bytes * (n / 2) / bandwidth
 
 
-def compute_cost(flops: float, device_flops: float) -> float:
-    """Seconds to run `flops` on one device at its peak `device_flops` (no efficiency factor)."""
-    return flops / device_flops
-
-
 class Collective(enum.Enum):
     """The collectives the model prices; `.cost` is the per-axis formula above."""
 

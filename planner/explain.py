@@ -238,6 +238,22 @@ def _guarantee_notes(plan: Plan, baselines: list[LayoutResult]) -> tuple[bool, l
     ]
 
 
+def _hit_time_limit(plan: Plan) -> bool:
+    return any("time limit" in note for note in plan.notes)
+
+
+def _time_limit_notes(layouts: list[LayoutResult]) -> list[str]:
+    """A note naming the layouts whose ILP stopped at its wall-clock limit: their rows depend on
+    the machine's speed and load."""
+    hit = [b.name for b in layouts if b.plan is not None and _hit_time_limit(b.plan)]
+    if not hit:
+        return []
+    return [
+        f"{', '.join(hit)}: the ILP hit its time limit, so the plan priced is the best found by "
+        "then and may differ between runs (raise AutoShardingOption.time_limit_s)"
+    ]
+
+
 def explain_plan(plan: Plan) -> Explanation:
     """`plan` next to the baselines (see the module docstring); needs `plan.context`."""
     ctx = plan.context
@@ -254,12 +270,16 @@ def explain_plan(plan: Plan) -> Explanation:
     if guaranteed and single:
         best = min(single, key=lambda b: b.step_time_s)
         if chosen.step_time_s > best.step_time_s * (1 + TOLERANCE):
-            time_limit = any("time limit" in note for note in plan.notes)
-            why = "the ILP hit its time limit" if time_limit else "the solver stopped in its gap"
+            why = (
+                "the ILP hit its time limit"
+                if _hit_time_limit(plan)
+                else "the solver stopped in its gap"
+            )
             notes.append(
                 f"WARNING: the chosen plan is predicted slower than {best.name} "
                 f"({chosen.step_time_s / best.step_time_s:.4f}x): {why}"
             )
+    notes += _time_limit_notes([chosen, *baselines])
     if plan.pipeline_schedule is None and ctx.single_mesh_program is not None:
         notes.append("baselines are priced on the step as ShardParallel traces it")
     return Explanation(

@@ -20,18 +20,23 @@ import enum
 from collections.abc import Sequence
 
 from autopar.markers import GRAD_BOUNDARY
+from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.cost import Collective, compute_cost, logical_mesh, result_bytes
+from autopar.planner.cost import Collective, logical_mesh, result_bytes
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.gradients import (
     gradient_chains,
+    gradient_part,
     gradient_reduction,
     param_inputs,
     partial_sum_lowerings,
 )
 from autopar.planner.graph import ValueKind, ValueRef, nodes_by_primitive
+from autopar.planner.groups import group_graph
+from autopar.planner.memory import liveness
 from autopar.planner.plan import MeshPlan, Plan, Predicted, Spec, StagePlan, replicated
 from autopar.planner.program import Program
+from autopar.planner.roofline import Roofline
 
 
 class ZeroStage(enum.Enum):
@@ -269,8 +274,7 @@ def predict(
             + k * lmesh.reduce_scatter_cost(per_micro_batch, axes)
             + gathers * lmesh.all_gather_cost(param_bytes, axes)
         )
-    flops = k * program.graph.total_flops
-    compute = compute_cost(flops / mesh.num_devices, cluster.device_flops)
+    flops, compute = _compute(program, cluster, stage, mesh.num_devices, k)
     memory = _memory(sig, stage_plan.input_specs, mesh, gradients, once, mesh.num_devices)
     return Predicted(
         step_time_s=compute + comm,
@@ -280,3 +284,38 @@ def predict(
         communication_bytes=comm_bytes,
         flops=flops,
     )
+
+
+def _compute(
+    program: Program, cluster: ClusterSpec, stage: ZeroStage, n: int, k: int
+) -> tuple[float, float]:
+    """(FLOPs of the step over all devices, seconds per device): each op's roofline, run k times
+    in the gradient part. An op touching the batch runs on 1/n of it; the update runs on 1/n of
+    the state where ZeRO splits it, on all of it under data parallelism; parameters are read
+    whole (ZeRO-3 gathers them before use)."""
+    graph = program.graph
+    grouping = group_graph(graph)
+    live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
+    roofline = Roofline(grouping, live.fused, cluster)
+    batch = batch_dims(
+        grouping, program.signature.batch_inputs, logical_mesh(cluster, (n,), ("batch",)), 0
+    )
+    per_micro_batch = gradient_part(graph)
+    flops = seconds = 0.0
+    for node in grouping.planned_nodes():
+        runs = k if node.id in per_micro_batch else 1
+        values = [grouping.value_of(ref) for ref in node.inputs]
+        outputs = [(node.id, o) for o in range(len(node.out_avals))]
+        split_update = node.id not in per_micro_batch and stage is not ZeroStage.DATA_PARALLEL
+        share = n if split_update or any(v in batch for v in (*values, *outputs)) else 1
+        in_bytes = [
+            None if v is None else a.nbytes / (n if split_update or v in batch else 1)
+            for v, a in zip(values, node.in_avals, strict=True)
+        ]
+        out_bytes = [
+            a.nbytes / (n if split_update or v in batch else 1)
+            for v, a in zip(outputs, node.out_avals, strict=True)
+        ]
+        flops += runs * node.flops
+        seconds += runs * roofline.seconds(node, node.flops / share, in_bytes, out_bytes)
+    return flops, seconds

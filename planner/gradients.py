@@ -277,3 +277,15 @@ def gradient_reduction(
             how = ONCE_PER_STEP if sums <= once and set(chain.sums) <= once else PER_MICRO_BATCH
             found[input_paths[params[chain.grad_of]]] = how
     return found
+
+
+def gradient_part(graph: OpGraph) -> set[str]:
+    """Nodes the gradient boundary depends on: they run once per micro-batch."""
+    found: set[str] = set()
+    stack = [r for b in nodes_by_primitive(graph, GRAD_BOUNDARY) for r in b.inputs]
+    while stack:
+        ref = stack.pop()
+        if ref.kind is ValueKind.NODE and ref.node not in found:
+            found.add(ref.node)
+            stack.extend(graph.node(ref.node).inputs)
+    return found

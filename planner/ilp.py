@@ -16,6 +16,13 @@ Memory: for each step t, arguments + outputs + temporaries live at t must fit th
 are as many steps as nodes, so constraints are added lazily: solve, find the steps over budget
 under the solution, add those, solve again (a cutting-plane loop; it stops when the solution fits).
 The model and its cuts are kept, so solving again under a tighter budget starts from them.
+
+Determinism: the model is built in a fixed order and HiGHS runs on one thread with seed 0 (its
+MIP search runs a concurrent worker per thread, so another thread count can return another of
+several equally good plans); CBC runs serially with its fixed default seeds. The same ILP then
+gives the same plan run after run, whatever the core count, unless a solve stops at its
+wall-clock `time_limit_s`: the best plan found by then depends on the machine's speed and load
+(the plan's note says "time limit hit").
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,6 +53,9 @@ _CUTS_PER_ROUND = 4  # memory cuts added per round
 _MAX_CUT_ROUNDS = 40  # a budgeted solve still cutting then answers "does not fit"
 _ROUNDS_PER_DOUBLING = 4  # past that, the least-memory search doubles its cuts this often
 OVERLAP_PENALTY = 0.1
+# Per thread: whether HiGHS refused one thread there (its scheduler in that thread was started
+# by other code with another thread count, which HiGHS does not change afterwards).
+_HIGHS_STATE = threading.local()
 
 
 class _CutsDidNotSettle(Exception):
@@ -200,16 +211,38 @@ class IntraOpIlp:
 
     # ------------------------------------------------------------------ solving
 
+    def _solve_highs(self, prob: pulp.LpProblem) -> None:
+        """Solve with HiGHS on one thread, seed 0 (module docstring). In a thread whose HiGHS
+        scheduler other code started with more threads, HiGHS refuses one thread: there it
+        solves with that scheduler, and the plan may differ from other machines' (warned once
+        per thread)."""
+        from highspy import HighsModelStatus
+
+        options = dict(
+            msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap, random_seed=0
+        )
+        if not getattr(_HIGHS_STATE, "refuses_one_thread", False):
+            prob.solve(pulp.HiGHS(threads=1, **options))
+            if prob.solverModel.getModelStatus() != HighsModelStatus.kNotset:
+                return
+            _HIGHS_STATE.refuses_one_thread = True
+            logger.warning(
+                "HiGHS refuses to solve on one thread here (other code in this thread started "
+                "it with another thread count); solving on its threads, so plans may differ "
+                "from runs on other machines"
+            )
+        prob.solve(pulp.HiGHS(**options))
+
     def _solve(self, prob: pulp.LpProblem, s) -> tuple[np.ndarray, bool] | None:
         if self.solver == "highs":
-            solver = pulp.HiGHS(msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap)
+            self._solve_highs(prob)
         else:
             with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
                 warnings.simplefilter("ignore", DeprecationWarning)
                 solver = pulp.PULP_CBC_CMD(
                     msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap
                 )
-        prob.solve(solver)
+            prob.solve(solver)
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             return None
         choices = np.array([int(np.argmax([v.varValue or 0.0 for v in vs])) for vs in s])
@@ -286,7 +319,7 @@ class IntraOpIlp:
         choices, optimal, rounds = result
         if not optimal:
             logger.warning(
-                "the sharding ILP hit its time limit (%.0f s); using the best plan found, which "
+                "the sharding ILP hit its time limit (%.3g s); using the best plan found, which "
                 "may not be optimal (raise AutoShardingOption.time_limit_s)",
                 self.time_limit_s,
             )

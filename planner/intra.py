@@ -26,6 +26,7 @@ from autopar.planner.gradients import (
     SUM_PRIMITIVES,
     GradientChain,
     gradient_chains,
+    gradient_part,
     gradient_reduction,
     param_inputs,
 )
@@ -61,6 +62,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
+from autopar.planner.roofline import Roofline
 from autopar.planner.strategy import Strategy, split_size, storage_specs
 from autopar.planner.summary import format_bytes
 
@@ -94,18 +96,6 @@ class IntraOpConfig:
     def budget(self, cluster: ClusterSpec) -> float:
         """Bytes per device a plan may use: the set budget, else the cluster's device memory."""
         return self.memory_budget_per_device or cluster.device_memory
-
-
-def _grad_part(graph: OpGraph) -> set[str]:
-    """Nodes the gradient boundary depends on: they run once per micro-batch."""
-    found: set[str] = set()
-    stack = [r for b in nodes_by_primitive(graph, GRAD_BOUNDARY) for r in b.inputs]
-    while stack:
-        ref = stack.pop()
-        if ref.kind is ValueKind.NODE and ref.node not in found:
-            found.add(ref.node)
-            stack.extend(graph.node(ref.node).inputs)
-    return found
 
 
 def _gradient_sums(graph: OpGraph) -> set[str]:
@@ -216,17 +206,18 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
         for group in grouping.groups:
             group.cls = group.index
         num_classes = len(grouping.groups)
-    grad_part = _grad_part(graph)
+    grad_part = gradient_part(graph)
     weights = dict.fromkeys(grad_part, float(k)) if k > 1 else {}
     once = k > 1 and config.reduce_gradients_once
     chains = [c for c in gradient_chains(graph) if c.complete] if once else []
     axis = _forced_batch_axis(mesh, config)
     batch = program.signature.batch_inputs
     forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
+    live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
     builder = MenuBuilder(
         grouping,
         mesh,
-        cluster,
+        Roofline(grouping, live.fused, cluster),
         weights,
         _gradient_sums(graph),
         inputs,
@@ -236,7 +227,6 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
     )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
-    live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
     grad_end = max((live.step_of_node.get(n, 0) for n in grad_part), default=0)
     return _Problem(
         grouping,
@@ -477,10 +467,11 @@ class ShardingProblem:
             solution.seconds,
             solution.rounds,
         )
+        logger.debug("shard_parallel plan made in %.2f s (ILP built and solved)", elapsed)
+        # Timings stay out of the plan: the same program and options give the same plan.
         note = (
             f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
-            f"{'optimal' if solution.optimal else 'time limit hit, best found'}, planned in "
-            f"{elapsed:.2f} s"
+            f"{'optimal' if solution.optimal else 'time limit hit, best found'}"
         )
         sig = program.signature
         return Plan(
@@ -712,7 +703,8 @@ def _emit(
             if key not in resharded:
                 resharded.add(key)
                 from_input = grouping.groups[grouping.group_of_value(value)].is_input
-                totals.add_comm((), weight * seconds, weight * nbytes, from_input)
+                hidden = from_input and builder.overlaps
+                totals.add_comm((), weight * seconds, weight * nbytes, hidden)
             size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
             same = size == builder.spec_bytes(aval.shape, aval.dtype.itemsize, have)
             if nbytes == 0 and (same or value in problem.live.fused):
@@ -749,7 +741,7 @@ def _emit(
         spec = node_outputs[chain.boundary][chain.position] or replicated(len(aval.shape))
         axes = unreduced[chain.nodes[0]]
         seconds, nbytes = builder.sum_cost(aval.shape, aval.dtype.itemsize, spec, axes)
-        totals.add_comm((), seconds, nbytes, True)
+        totals.add_comm((), seconds, nbytes, builder.overlaps)
         accumulators += _whole_accumulator_bytes(problem, chain, spec, axes)
     reshard_temps[0] += accumulators
     reshard_temps[problem.grad_end + 1] -= accumulators

@@ -5,11 +5,14 @@ replicating, where it cannot). For each k the menu knows every member's `Strateg
 of every value the group produces. Costs are in seconds, per device, weighted by how often a node
 runs per step (gradient accumulation runs the gradient part once per micro-batch):
 
-* compute: FLOPs / (devices sharing the work) / device FLOP/s: replicated heavy ops cost n×;
+* compute: each node's roofline (`planner.roofline`) with its FLOPs shared by the devices that
+  split the work and the bytes its operands and outputs have per device: a replicated op costs
+  n× the FLOPs and reads whole weights, a replicated optimizer update streams all the state;
 * blocking communication: a node's own all-reduce/reduce-scatter and the resharding it needs;
 * overlappable communication: gathers of step inputs (parameters stored split, FSDP), which can be
   issued ahead of use (prefetch), and the summing of gradients, which only the optimizer update
-  waits for. The objective hides it behind compute (see `planner.ilp`).
+  waits for. The objective hides it behind compute (see `planner.ilp`) where the cluster runs
+  collectives beside compute (`ClusterSpec.overlaps_communication`: GPUs, not CPUs).
 
 With micro-batches, a gradient's all-reduce runs once per step (`Strategy.accumulated`): partial
 sums are added up on each device and reduced after the last micro-batch, at no memory cost (the
@@ -27,13 +30,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import Collective, LogicalMesh, resharding_collectives, result_bytes
 from autopar.planner.graph import OpNode
 from autopar.planner.groups import Group, Grouping, Value, input_value
 from autopar.planner.leader_rules import source_strategies
 from autopar.planner.memory import value_aval
 from autopar.planner.plan import Spec
+from autopar.planner.roofline import Roofline
 from autopar.planner.strategy import (
     FOLLOW_RULES,
     LEADER_RULES,
@@ -102,7 +105,7 @@ class MenuBuilder:
         self,
         grouping: Grouping,
         mesh: LogicalMesh,
-        cluster: ClusterSpec,
+        roofline: Roofline,
         weights: dict[str, float],
         overlappable_nodes: set[str],
         input_specs: Callable[[int], list[Spec]],
@@ -112,7 +115,8 @@ class MenuBuilder:
     ) -> None:
         self.grouping = grouping
         self.mesh = mesh
-        self.cluster = cluster
+        self.roofline = roofline
+        self.overlaps = roofline.cluster.overlaps_communication  # else nothing is hidden
         self.weights = weights
         self.overlappable_nodes = overlappable_nodes
         self.input_specs = input_specs
@@ -287,14 +291,23 @@ class MenuBuilder:
         """A node's compute and (unless not `own_sum`) its own all-reduce/reduce-scatter under
         strategy `s`."""
         tiles = math.prod(self.mesh.axis_size(a) for a in s.mesh_axes())
-        costs.compute[where] += weight * node.flops / tiles / self.cluster.device_flops
+        in_bytes = [
+            None if spec is None else self.spec_bytes(a.shape, a.dtype.itemsize, spec)
+            for spec, a in zip(s.in_specs, node.in_avals, strict=True)
+        ]
+        out_bytes = [
+            self.spec_bytes(a.shape, a.dtype.itemsize, spec)
+            for spec, a in zip(s.out_specs, node.out_avals, strict=True)
+        ]
+        seconds = self.roofline.seconds(node, node.flops / tiles, in_bytes, out_bytes)
+        costs.compute[where] += weight * seconds
         if s.partial_axes and own_sum:
             out = node.out_avals[0]
             seconds, nbytes = self.sum_cost(
                 out.shape, out.dtype.itemsize, s.out_specs[0], s.partial_axes
             )
             times = 1.0 if s.accumulated else weight  # reduced once per step, or per run
-            costs.add_comm(where, times * seconds, times * nbytes, overlappable)
+            costs.add_comm(where, times * seconds, times * nbytes, overlappable and self.overlaps)
 
     def sum_cost(self, shape, itemsize: int, spec: Spec, axes) -> tuple[float, float]:
         """(seconds, result bytes per device) to sum partial sums over `axes` into `spec`:
@@ -364,7 +377,8 @@ class MenuBuilder:
                 for need, weight in zip(specs, weights, strict=True):
                     if need is not None and need != have:
                         seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
-                        costs.add_comm((a, b), weight * seconds, weight * nbytes, h.is_input)
+                        hidden = h.is_input and self.overlaps
+                        costs.add_comm((a, b), weight * seconds, weight * nbytes, hidden)
         if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
             return None
         return Edge(producer, consumer, row_of, col_of, costs)

@@ -18,7 +18,10 @@ from typing import Any
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 6
+PLAN_FORMAT_VERSION = 7
+# Version 6 differs only in its cluster dict, which lacks the roofline's figures (memory
+# bandwidth, dtype peaks, efficiencies, kernel floor): `ClusterSpec.from_dict` fills the defaults.
+READABLE_FORMAT_VERSIONS = (6, PLAN_FORMAT_VERSION)
 
 
 def replicated(ndim: int) -> Spec:
@@ -197,9 +200,10 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         version = data.pop("format_version", None)
-        if version != PLAN_FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise ValueError(
-                f"plan format version {version!r} is not supported (expected {PLAN_FORMAT_VERSION})"
+                f"plan format version {version!r} is not supported (this autopar reads "
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
             )
         return _plan_from_dict(data)
 

@@ -28,6 +28,15 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_flops(n: float) -> str:
+    """A FLOP count (or rate, with "/s" appended by the caller) in the unit that fits:
+    MFLOP, GFLOP, TFLOP or PFLOP, 4 significant digits."""
+    for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP")):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n / 1e6:.4g} MFLOP"
+
+
 def format_ranges(numbers: Iterable[int]) -> str:
     """Sorted distinct numbers with runs collapsed: ``0..3,5,7..9``."""
     values = sorted(set(numbers))
@@ -141,9 +150,15 @@ def _cluster_line(plan: Plan) -> str:
     c: Mapping = plan.cluster
     if "num_hosts" not in c:
         return f"cluster {c.get('name', '?')}"
+    bandwidth = c.get("memory_bandwidth")
+    memory = (
+        f"{bandwidth / 1e9:.4g} GB/s memory bandwidth"
+        if bandwidth
+        else "memory bandwidth not given: memory-bound work priced free"
+    )
     return (
         f"cluster {c.get('name', '?')} ({c['num_hosts']} host(s) x {c['devices_per_host']} "
-        f"devices, {c['device_flops'] / 1e12:.0f} TFLOP/s and "
+        f"devices, {format_flops(c['device_flops'])}/s 16-bit peak, {memory}, "
         f"{format_bytes(c['device_memory'])} per device)"
     )
 
@@ -202,7 +217,7 @@ def _gradient_lines(plan: Plan, stage: StagePlan, max_rows: int) -> list[str]:
 def plan_summary(plan: Plan, max_rows: int = 60) -> str:
     """Method, stages (sub-meshes, logical meshes, layers, micro-batches) with their predicted
     costs, how each input is stored (grouped by layer pattern), and the predicted step: time,
-    TFLOP/s per device and MFU."""
+    FLOP/s per device and MFU."""
     p = plan.predicted
     lines = [
         f"autopar plan: {plan.method}, {plan.num_micro_batches} micro-batch(es), "
@@ -215,8 +230,8 @@ def plan_summary(plan: Plan, max_rows: int = 60) -> str:
     rate = throughput(plan)
     if rate is not None:
         lines.append(
-            f"predicted throughput: {p.flops / 1e12:.4g} TFLOP per step, "
-            f"{rate[0] / 1e12:.4g} TFLOP/s per device, MFU {rate[1]:.1%}"
+            f"predicted throughput: {format_flops(p.flops)} per step, "
+            f"{format_flops(rate[0])}/s per device, MFU {rate[1]:.1%} of the 16-bit peak"
         )
     if plan.pipeline_schedule:
         lines.append(f"predicted pipeline bubble: {bubble_fraction(plan):.1%} of device time")

@@ -126,6 +126,49 @@ class RayCluster:
         )
         return cls(spec, use_gpus, group, started, float(step_timeout_s))
 
+    def start_worker(self, host: int, num_devices: int) -> Any:
+        """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices."""
+        import ray
+
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        actor = (
+            ray.remote(MeshWorker)
+            .options(
+                num_cpus=0,
+                num_gpus=num_devices if self.use_gpus else 0,
+                scheduling_strategy=strategy(self.placement_group, host),
+                max_restarts=0,
+            )
+            .remote(num_devices, not self.use_gpus)
+        )
+        self.actors.append(actor)
+        return actor
+
+    def stop_workers(self, actors: Sequence[Any]) -> None:
+        """Kill `actors` (from `start_worker`) now instead of at `shutdown`."""
+        import ray
+
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # an actor that is already gone
+                logger.debug("actor was already gone", exc_info=True)
+            self.actors.remove(actor)
+
+    def wait(self, refs: Sequence[Any], what: str) -> list[Any]:
+        """Results of `refs`; a worker that dies or raises, or `step_timeout_s` passing, is a
+        `RemoteError` naming `what` was being done."""
+        import ray
+
+        try:
+            return ray.get(list(refs), timeout=self.step_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise StepTimeoutError(
+                f"{what} did not finish within step_timeout_s={self.step_timeout_s:g} s"
+            ) from e
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise RemoteError(f"{what} failed on Ray: {_first_line(e)}") from e
+
     def shutdown(self) -> None:
         """Kill every actor autopar made, release the placement group, stop Ray if we started it."""
         import ray
@@ -263,8 +306,6 @@ class RayExecutable:
     def __init__(
         self, cluster: RayCluster, traced: TracedStep, plan: Plan, source: StepSource
     ) -> None:
-        import ray
-
         self.plan = plan
         self._cluster = cluster
         self._traced = traced
@@ -282,23 +323,12 @@ class RayExecutable:
             )
         self.actors: list[list[Any]] = []
         self.hosts: list[list[int]] = []
-        worker_class = ray.remote(MeshWorker)
-        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         for stage in plan.stages:
             by_host: dict[int, list[int]] = {}
             for index in stage.mesh.device_indices:
                 by_host.setdefault(index // spec.devices_per_host, []).append(index)
-            actors = []
-            for host, indices in sorted(by_host.items()):
-                actor = worker_class.options(
-                    num_cpus=0,
-                    num_gpus=len(indices) if cluster.use_gpus else 0,
-                    scheduling_strategy=strategy(cluster.placement_group, host),
-                    max_restarts=0,
-                ).remote(len(indices), not cluster.use_gpus)
-                cluster.actors.append(actor)
-                actors.append(actor)
-            self.actors.append(actors)
+            hosts = sorted(by_host.items())
+            self.actors.append([cluster.start_worker(h, len(indices)) for h, indices in hosts])
             self.hosts.append(sorted(by_host))
         self._build(source)
 

@@ -93,6 +93,13 @@ class MeshWorker:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=120)
 
+    def profile_cluster(self, sizes: Any) -> dict[str, Any]:
+        """`autopar.profile_cluster` on this worker's devices (every host's once joined), as
+        `ClusterProfile.to_dict()`; `sizes` is a `ProfileSizes`."""
+        from autopar.runtime.cluster_profile import measure_cluster
+
+        return measure_cluster(jax.devices(), sizes=sizes).to_dict()
+
     def build(self, step: StepSource, plan_json: str, stage: int, device_indices: list) -> str:
         """Trace the step, check it is the planned program, and bind this worker's stage."""
         from autopar.runtime.compile import compile_plan

@@ -58,8 +58,8 @@ def _hf_state(model: Any, tx: optax.GradientTransformation) -> DropoutState:
     )
 
 
-def _tokens(batch_size: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, (batch_size, SEQ)).astype(np.int32)
+def _tokens(batch_size: int, seed: int = 0, seq: int = SEQ, vocab: int = VOCAB) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, (batch_size, seq)).astype(np.int32)
 
 
 def _hf_lm_step(model: Any, loss_of: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,42 +84,57 @@ def _causal_lm_loss(model, params, batch, dropout_rng):
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels).mean()
 
 
-def gpt2(tx: optax.GradientTransformation, batch_size: int) -> ClientStep:
-    """transformers' FlaxGPT2LMHeadModel, causal-LM cross-entropy."""
+def gpt2(
+    tx: optax.GradientTransformation,
+    batch_size: int,
+    *,
+    seq: int = SEQ,
+    vocab: int = VOCAB,
+    hidden: int = 32,
+) -> ClientStep:
+    """transformers' FlaxGPT2LMHeadModel, causal-LM cross-entropy (sizes: tiny by default, the
+    cost-model benchmark asks for larger ones)."""
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=32,
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=hidden,
         n_layer=2,
         n_head=2,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = FlaxGPT2LMHeadModel(config, input_shape=(1, SEQ), seed=0)
+    model = FlaxGPT2LMHeadModel(config, input_shape=(1, seq), seed=0)
     state = _hf_state(model, tx)
-    batch = {"input_ids": _tokens(batch_size)}
+    batch = {"input_ids": _tokens(batch_size, seq=seq, vocab=vocab)}
     return ClientStep("gpt2", _hf_lm_step(model, _causal_lm_loss), (state, batch))
 
 
-def llama(tx: optax.GradientTransformation, batch_size: int) -> ClientStep:
+def llama(
+    tx: optax.GradientTransformation,
+    batch_size: int,
+    *,
+    seq: int = SEQ,
+    vocab: int = VOCAB,
+    hidden: int = 32,
+) -> ClientStep:
     """transformers' FlaxLlamaForCausalLM: its rotary sin/cos table is computed with numpy."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max(64, seq),
     )
-    model = FlaxLlamaForCausalLM(config, input_shape=(1, SEQ), seed=0)
+    model = FlaxLlamaForCausalLM(config, input_shape=(1, seq), seed=0)
     state = _hf_state(model, tx)
-    batch = {"input_ids": _tokens(batch_size)}
+    batch = {"input_ids": _tokens(batch_size, seq=seq, vocab=vocab)}
     return ClientStep("llama", _hf_lm_step(model, _causal_lm_loss), (state, batch))
 
 

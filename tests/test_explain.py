@@ -76,7 +76,7 @@ def test_summary_reports_stages_storage_and_throughput(gpt_plan):
     text = gpt_plan.summary()
     assert "stage 0: sub-mesh 1x8 (hosts x devices) = devices [0..7]" in text
     assert "state.opt_state[0].mu['block_{0..1}']['fc_in']['kernel']" in text
-    assert "TFLOP/s per device, MFU" in text
+    assert "FLOP/s per device, MFU" in text
     assert len(text.splitlines()) < 80  # grouped: ~20 rows per parameter tree, not per leaf
     p = gpt_plan.predicted
     assert p.flops > 0 and gpt_plan.stages[0].op_costs

@@ -54,6 +54,11 @@ def _problem(batch_size: int, width: int, hidden: int):
     return params, batch, serial
 
 
+# The batch split over the (only) mesh axis: these tests are about how a data-parallel axis
+# reduces gradients; on the CPU spec the ILP finds other layouts of these small MLPs as fast.
+DATA_AXIS = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
+
+
 def _run(method, shape=(64, 64, 128)):
     """STEPS steps of `method`; returns (executable, final params, serial params)."""
     params, batch, serial = _problem(*shape)
@@ -92,7 +97,8 @@ def test_shard_parallel_data_parallel_axis_reduces_once_and_predicts_the_hlo():
     per_step = {}
     for k in (1, 4, 16):
         executable, params, serial = _run(
-            autopar.ShardParallel(num_micro_batches=k), (512, 64, 128)
+            autopar.ShardParallel(num_micro_batches=k, auto_sharding_option=DATA_AXIS),
+            (512, 64, 128),
         )
         stage = executable.plan.stages[0]
         assert any(spec[0] for spec in stage.input_specs[-2:])  # the batch is split
@@ -101,8 +107,9 @@ def test_shard_parallel_data_parallel_axis_reduces_once_and_predicts_the_hlo():
         assert per_step[k] == pytest.approx(executable.plan.predicted.communication_bytes, rel=1e-3)
         if k > 1:
             assert sum(lowering.once_per_step for lowering in stage.partial_sums.values()) == 3
-    assert per_step[1] > 100_000
-    assert per_step[16] == pytest.approx(per_step[1], abs=SCALAR_SLACK)
+    grads = sum(p.nbytes for p in params.values())
+    assert per_step[1] >= grads  # k = 1 may also gather a weight stored split
+    assert per_step[16] == pytest.approx(grads, abs=SCALAR_SLACK)  # each gradient once
 
 
 def test_pipeline_stages_reduce_gradients_once_per_step():
@@ -114,6 +121,7 @@ def test_pipeline_stages_reduce_gradients_once_per_step():
             num_micro_batches=k,
             layer_option=autopar.AutoLayerOption(layer_num=2),
             stage_option=autopar.UniformStageOption(2),
+            auto_sharding_option=DATA_AXIS,
         )
         executable, params, serial = _run(method, (512, 64, 128))
         assert relative_error(params, serial) <= 1e-5
@@ -123,7 +131,9 @@ def test_pipeline_stages_reduce_gradients_once_per_step():
             assert stage.mesh.num_devices == 4
             assert hlo == pytest.approx(stage.predicted.communication_bytes, rel=1e-3)
     assert all(b > 10_000 for b in per_stage[1])
-    assert per_stage[4] == pytest.approx(per_stage[1], abs=SCALAR_SLACK)
+    assert all(b4 <= b1 + SCALAR_SLACK for b4, b1 in zip(per_stage[4], per_stage[1], strict=True))
+    grads = sum(p.nbytes for p in params.values())
+    assert sum(per_stage[4]) == pytest.approx(grads, abs=SCALAR_SLACK)  # each gradient once
     middle = [text for name, text in _segments(executable.get_hlo_text()) if "[middle]" in name]
     assert len(middle) == 2  # one per stage
     assert all(
@@ -208,15 +218,16 @@ def test_reduce_partial_sums_into_any_layout(target):
 
 
 def test_ilp_reduce_scatters_per_micro_batch_where_whole_accumulators_do_not_fit():
-    """ShardParallel storing optimizer state split (gradients reduce-scattered): with memory to
-    spare every gradient is reduced once per step; under a tighter budget the plan keeps
+    """ShardParallel storing state split (ZeRO-3 forced; with a batch of 4096 the ILP
+    reduce-scatters gradients rather than gathering activations to compute them whole): with
+    memory to spare every gradient is reduced once per step; under a tighter budget the plan keeps
     per-micro-batch reduce-scatters for what does not fit, stays within the budget, and
     matches the serial step."""
-    params, batch, serial = _problem(512, 256, 512)
+    params, batch, serial = _problem(4096, 256, 512)
 
     def method(budget):
         option = autopar.AutoShardingOption(
-            prefer_reduce_scatter=True, memory_budget_per_device=budget
+            force_zero_stage_3=True, memory_budget_per_device=budget
         )
         return autopar.ShardParallel(num_micro_batches=4, auto_sharding_option=option)
 
@@ -232,9 +243,10 @@ def test_ilp_reduce_scatters_per_micro_batch_where_whole_accumulators_do_not_fit
             tight = budget
             break
     assert tight is not None
-    executable, state, serial = _run(method(tight), (512, 256, 512))
+    executable, state, serial = _run(method(tight), (4096, 256, 512))
     assert relative_error(state, serial) <= 1e-5
-    scattered = executable.collective_bytes_per_step()["reduce-scatter"]
-    assert scattered == pytest.approx(
-        4 * sum(collective_bytes(executable.get_hlo_text())["reduce-scatter"])
-    )
+    per_step = executable.collective_bytes_per_step()
+    each_once = sum(collective_bytes(executable.get_hlo_text())["reduce-scatter"])
+    assert per_step["reduce-scatter"] > each_once  # some run in the loop, per micro-batch
+    predicted = executable.plan.predicted.communication_bytes
+    assert _total(per_step) == pytest.approx(predicted, rel=1e-3)

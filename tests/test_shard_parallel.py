@@ -166,14 +166,17 @@ def test_moe_experts_split_with_all_to_all():
     assert executable.collectives()["all-to-all"]
 
 
-def test_tight_memory_budget_stores_parameters_split():
+def test_tight_memory_budget_gets_a_plan_that_fits():
+    """Under 3/4 of the free plan's memory the ILP stores or computes more of the step split:
+    the plan fits the budget by its prediction and by XLA's memory analysis (within the memory
+    model's 15%)."""
     step_fn, params, batch = _mlp(1024, 1024, 512)
     free = autopar.plan(step_fn, params, batch, method=autopar.ShardParallel(devices=FOUR))
-    assert not all(any(spec) for spec in free.stages[0].input_specs[:2])  # a weight kept whole
     budget = 0.75 * free.predicted.memory_per_device_bytes
-    _, executable, out = _run(step_fn, params, batch, memory_budget_per_device=budget)
-    assert all(any(spec) for spec in _specs(out).values())  # every parameter split
+    _, executable, _ = _run(step_fn, params, batch, memory_budget_per_device=budget)
+    assert executable.plan.stages[0].input_specs != free.stages[0].input_specs
     assert executable.plan.predicted.memory_per_device_bytes <= budget
+    assert executable.memory_stats().peak_bytes <= 1.15 * budget
 
 
 def test_budget_below_anything_feasible_names_the_least_memory():
@@ -203,7 +206,7 @@ def test_forced_batch_dim_splits_every_batch_value_over_that_axis():
     _, forced, out = _run(step_fn, params, batch, devices=mesh, force_batch_dim_to_mesh_dim=0)
     assert free.plan.stages[0].input_specs[2] == (None, None)
     stage = forced.plan.stages[0]
-    assert stage.input_specs[2:] == ((("a",), None), (("a",), None))  # the batch x and y
+    assert [spec[0] for spec in stage.input_specs[2:]] == [("a",), ("a",)]  # batch x and y
     args = (params, batch)
     argnums = resolve_argnums(args, (), (1,), "auto")
     traced = trace_for_method(step_fn, args, autopar.ShardParallel(), argnums)
@@ -262,14 +265,14 @@ def _adam_mlp(batch_size, din, hidden):
     return train_step, (params, optimizer.init(params)), batch
 
 
-def test_prefer_reduce_scatter_shards_the_weight_update():
-    """Data parallel all-reduces gradients into replicated Adam moments; with
-    prefer_reduce_scatter the moments are stored split and gradients are reduce-scattered."""
+def test_adam_update_is_sharded_and_prefer_reduce_scatter_shards_all_of_it():
+    """A replicated Adam update streams every weight, gradient and both moments on each device
+    (memory-bound): the default plan already stores the moments split and reduce-scatters
+    gradients into them (ZeRO-2's update); with prefer_reduce_scatter nothing is all-reduced."""
     step_fn, state, batch = _adam_mlp(4096, 64, 64)
     _, executable, (_, (adam, _)) = _run(step_fn, state, batch)
-    assert not any(any(s) for m in (adam.mu, adam.nu) for s in _specs(m).values())
-    assert executable.collectives()["all-reduce"]
-    assert not executable.collectives()["reduce-scatter"]
+    assert all(any(s) for m in (adam.mu, adam.nu) for s in _specs(m).values())
+    assert executable.collectives()["reduce-scatter"]
     _, executable, (_, (adam, _)) = _run(step_fn, state, batch, prefer_reduce_scatter=True)
     assert all(any(s) for m in (adam.mu, adam.nu) for s in _specs(m).values())
     collectives = executable.collectives()

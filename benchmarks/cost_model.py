@@ -1,0 +1,277 @@
+"""The cost model held against measured step times: the truth table of `make bench-costmodel`.
+
+Part 1, on ONE real CPU device (no simulated devices: they would share the cores and the timing
+would not be honest): `autopar.profile_cluster()` measures the device, then for each model of a
+zoo the plan that `autopar.parallelize` makes with default options is asked for its predicted
+step time and the same compiled step is timed (median of `STEPS` steps after a warm-up). The
+zoo: the bundled MLP at a small-batch/wide and a large-batch/narrow shape, GPT, MoE and
+Wide-ResNet, and transformers' Flax GPT-2 and an equinox transformer where installed.
+Reported: predicted, measured, their ratio per model, and Kendall's τ between the two orders.
+
+Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
+timed to fit α and β, each predicted from the fitted figures against its own measurement.
+
+    python benchmarks/cost_model.py
+
+Writes benchmarks/results/cost_model.json and cost_model.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ["AUTOPAR_PLAN_CACHE"] = "off"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+STEPS = 15  # timed steps per model (median), after WARMUP
+WARMUP = 3
+COLLECTIVES_FLAG = "--collectives"
+
+
+def _bundled(module, config, batch_size: int):
+    import autopar
+
+    state = module.create_train_state(config, batch_size=2)
+    step = module.make_train_step(autopar.value_and_grad)
+    return step, (state, module.make_batch(config, batch_size))
+
+
+def _zoo():
+    """(name, builder) pairs; a builder returns (train step, args)."""
+    import optax
+
+    from autopar.models import gpt, mlp, moe, wresnet
+
+    zoo = [
+        ("mlp small-batch wide", lambda: _bundled(mlp, mlp.MLPConfig(1024, 1024, 1024, 4), 8)),
+        ("mlp large-batch narrow", lambda: _bundled(mlp, mlp.MLPConfig(64, 64, 64, 4), 16384)),
+        (
+            "gpt",
+            lambda: _bundled(
+                gpt, gpt.GPTConfig(vocab_size=1024, seq_len=64, hidden=256, num_layers=2), 16
+            ),
+        ),
+        (
+            "moe",
+            lambda: _bundled(
+                moe, moe.MoEConfig(vocab_size=1024, seq_len=64, hidden=128, num_layers=2), 16
+            ),
+        ),
+        ("wide-resnet", lambda: _bundled(wresnet, wresnet.WResNetConfig(channels=16), 32)),
+    ]
+    try:
+        import clients
+    except ImportError:  # transformers / equinox not installed: the bundled zoo only
+        return zoo
+    sizes = {"seq": 64, "vocab": 1024, "hidden": 128}
+    zoo.append(("transformers gpt2", lambda: _client(clients.gpt2(optax.adam(1e-3), 16, **sizes))))
+    zoo.append(
+        (
+            "equinox transformer",
+            lambda: _client(clients.equinox_transformer(optax.adam(1e-3), 64)),
+        )
+    )
+    return zoo
+
+
+def _client(client):
+    return client.step, client.args
+
+
+def _time_steps(step, args) -> float:
+    """Median seconds of one step, the state (every argument but the last, the batch) carried
+    from step to step as training does."""
+    import jax
+
+    times = []
+    for i in range(WARMUP + STEPS):
+        start = time.perf_counter()
+        out = step(*args)
+        jax.block_until_ready(out)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+        args = (*out[: len(args) - 1], args[-1])
+    return statistics.median(times)
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's τ-a between two orderings of the same items (1: the same order)."""
+    pairs = [(i, j) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    if not pairs:
+        return 1.0
+    sign = [
+        ((xs[i] - xs[j]) * (ys[i] - ys[j]) > 0) - ((xs[i] - xs[j]) * (ys[i] - ys[j]) < 0)
+        for i, j in pairs
+    ]
+    return sum(sign) / len(pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    predicted_s: float
+    measured_s: float
+    compute_s: float
+    communication_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_s / self.measured_s
+
+
+def truth_table(spec) -> list[Row]:
+    import autopar
+
+    rows = []
+    autopar.init("local", cluster_spec=spec)
+    try:
+        for name, build in _zoo():
+            step, args = build()
+            parallel = autopar.parallelize(step)
+            predicted = parallel.get_plan(*args).predicted
+            measured = _time_steps(parallel, args)
+            rows.append(
+                Row(
+                    name,
+                    predicted.step_time_s,
+                    measured,
+                    predicted.compute_s,
+                    predicted.communication_s,
+                )
+            )
+            print(
+                f"  {name:<24} predicted {predicted.step_time_s * 1e3:9.3f} ms  "
+                f"measured {measured * 1e3:9.3f} ms  ratio {rows[-1].ratio:.2f}",
+                flush=True,
+            )
+    finally:
+        autopar.shutdown()
+    return rows
+
+
+def collectives() -> dict:
+    """In a process with 8 simulated devices: the profile's collective timings against what
+    its fitted α/β predict."""
+    out = subprocess.run(
+        [sys.executable, __file__, COLLECTIVES_FLAG],
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _collectives_here() -> None:
+    from autopar.runtime.cluster_profile import measure_cluster
+
+    profile = measure_cluster()
+    spec = profile.spec
+    rows = []
+    for m in profile.collectives:
+        across = m.axis == 0 and spec.num_hosts > 1
+        bandwidth = spec.inter_host_bandwidth if across else spec.intra_host_bandwidth
+        latency = spec.inter_host_latency if across else spec.intra_host_latency
+        predicted = m.kind.cost(m.num_bytes, m.num_devices, bandwidth, latency)
+        rows.append(
+            {
+                "kind": m.kind.value,
+                "num_bytes": m.num_bytes,
+                "num_devices": m.num_devices,
+                "seconds": m.seconds,
+                "predicted_s": predicted,
+                "ratio": predicted / m.seconds,
+            }
+        )
+    print(json.dumps({"spec": spec.to_dict(), "rows": rows}))
+
+
+def main() -> None:
+    import jax
+
+    from autopar.runtime.cluster_profile import measure_cluster
+
+    if len(jax.devices()) != 1:
+        raise SystemExit("run with ONE CPU device (unset XLA_FLAGS device counts)")
+    print("profiling this device ...", flush=True)
+    profile = measure_cluster()
+    spec = profile.spec
+    print(json.dumps(spec.to_dict(), indent=1))
+    rows = truth_table(spec)
+    tau = kendall_tau([r.predicted_s for r in rows], [r.measured_s for r in rows])
+    within = sum(0.75 <= r.ratio <= 1.25 for r in rows)
+    print(f"Kendall tau {tau:.3f}; {within}/{len(rows)} within ±25%")
+    print("collectives on 8 simulated devices ...", flush=True)
+    coll = collectives()
+    _write(spec, profile, rows, tau, coll)
+
+
+def _write(spec, profile, rows, tau, coll) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    data = {
+        "device": "one real CPU device of this machine",
+        "profile": profile.to_dict(),
+        "rows": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows],
+        "kendall_tau": tau,
+        "within_25_percent": sum(0.75 <= r.ratio <= 1.25 for r in rows),
+        "collectives_8_simulated_devices": coll,
+    }
+    (RESULTS / "cost_model.json").write_text(json.dumps(data, indent=2) + "\n")
+    lines = [
+        "# Cost model against measured step times",
+        "",
+        "`make bench-costmodel` (`python benchmarks/cost_model.py`). ONE real CPU device, the",
+        "`ClusterSpec` that `autopar.profile_cluster()` measured there, default options; measured",
+        f"= median of {STEPS} steps after {WARMUP} warm-up steps.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| matmul fp32 (default precision) | {spec.tf32_flops / 1e9:.1f} GFLOP/s |",
+        f"| matmul fp32 (highest precision) | {spec.fp32_flops / 1e9:.1f} GFLOP/s |",
+        f"| matmul bf16 | {spec.device_flops / 1e9:.1f} GFLOP/s |",
+        f"| memory bandwidth | {spec.memory_bandwidth / 1e9:.2f} GB/s |",
+        f"| kernel floor | {spec.kernel_overhead_s * 1e6:.2f} µs |",
+        "",
+        "| model | predicted | measured | predicted / measured |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.model} | {r.predicted_s * 1e3:.3f} ms | {r.measured_s * 1e3:.3f} ms "
+        f"| {r.ratio:.2f} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        f"Kendall τ between predicted and measured order: **{tau:.3f}**; "
+        f"{data['within_25_percent']}/{len(rows)} models within ±25%.",
+        "",
+        "## Collectives on 8 simulated CPU devices",
+        "",
+        "Each collective `profile_cluster()` timed, predicted with the α and β it fitted.",
+        "",
+        "| collective | bytes | devices | predicted | measured | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {c['kind']} | {c['num_bytes']:.0f} | {c['num_devices']} | "
+        f"{c['predicted_s'] * 1e6:.1f} µs | {c['seconds'] * 1e6:.1f} µs | {c['ratio']:.2f} |"
+        for c in coll["rows"]
+    ]
+    (RESULTS / "cost_model.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / 'cost_model.md'}")
+
+
+if __name__ == "__main__":
+    if COLLECTIVES_FLAG in sys.argv:
+        _collectives_here()
+    else:
+        main()

@@ -1,0 +1,101 @@
+"""Seconds one op takes on one device: a roofline over the kernels XLA fuses it into.
+
+An op runs as fast as the slower of its arithmetic and its memory traffic allow:
+time = max(FLOPs / (peak for its dtype × compute efficiency), bytes / (memory bandwidth ×
+memory efficiency)), plus the launch floor of each kernel. Bytes follow the fusion rules of the
+memory model (`planner.memory.liveness`): an op fused into its readers writes nothing and
+launches nothing; an operand computed inside the reader's fusion is not read from memory. So an
+element-wise chain is one kernel that reads its inputs and writes its result once, and the
+optimizer update (element-wise over every parameter and both Adam moments) is memory-bound.
+
+Per-device bytes depend on how each operand and output is split, which the caller knows: the
+ILP's menus from a strategy's specs, the data-parallel methods from the batch dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.graph import OpNode, ValueKind
+from autopar.planner.groups import Grouping, Value
+
+# Ops that move no data: markers, and relabels of their operand's buffer (the memory model's
+# aliases; a transpose folds into the dot or fusion that reads it).
+_NO_KERNEL = frozenset(
+    {
+        *(GRAD_BOUNDARY, LAYER_BOUNDARY, PIPELINE_BOUNDARY, PARAM_USE),
+        *("optimization_barrier", "sharding_constraint", "reshard", "device_put", "pvary"),
+        *("layout_constraint", "stop_gradient", "random_wrap", "random_unwrap"),
+        *("reshape", "squeeze", "transpose"),
+    }
+)
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec) -> float:
+    """Roofline seconds of `flops` at `peak_flops` against `nbytes` of memory traffic (no launch
+    floor). Without a memory bandwidth in the spec, memory traffic is not priced."""
+    compute = flops / (peak_flops * cluster.compute_efficiency)
+    if cluster.memory_bandwidth is None:
+        return compute
+    return max(compute, nbytes / (cluster.memory_bandwidth * cluster.memory_efficiency))
+
+
+def _highest_precision(node: OpNode) -> bool:
+    precision = node.params.get("precision")
+    names = [str(p) for p in (precision if isinstance(precision, tuple) else (precision,))]
+    return any("HIGHEST" in name for name in names)
+
+
+def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
+    """The FLOP/s peak `node` runs at: its operands' dtype for a contraction (TF32 for fp32 at
+    default precision), its output's otherwise."""
+    if node.primitive in _CONTRACTIONS:
+        return cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
+    avals = node.out_avals or node.in_avals
+    return cluster.peak_flops(avals[0].dtype) if avals else cluster.fp32_flops or 1.0
+
+
+class Roofline:
+    """Prices the nodes of `grouping` on `cluster`, given which values fuse into their readers."""
+
+    def __init__(self, grouping: Grouping, fused: frozenset[Value], cluster: ClusterSpec) -> None:
+        self.grouping = grouping
+        self.fused = fused
+        self.cluster = cluster
+        self._traffic: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool]] = {}
+
+    def traffic(self, node: OpNode) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
+        """(operands read from memory, outputs written to memory, launches a kernel)."""
+        found = self._traffic.get(node.id)
+        if found is None:
+            if node.primitive in _NO_KERNEL:
+                found = ((False,) * len(node.inputs), (False,) * len(node.out_avals), False)
+            else:
+                reads = tuple(
+                    ref.kind is not ValueKind.LITERAL
+                    and (value := self.grouping.value_of(ref)) is not None
+                    and value not in self.fused
+                    for ref in node.inputs
+                )
+                writes = tuple((node.id, o) not in self.fused for o in range(len(node.out_avals)))
+                found = (reads, writes, any(writes))
+            self._traffic[node.id] = found
+        return found
+
+    def seconds(
+        self,
+        node: OpNode,
+        flops: float,
+        in_bytes: Sequence[float | None],
+        out_bytes: Sequence[float],
+    ) -> float:
+        """Seconds of `node` doing `flops` per device, with operands and outputs of the given
+        per-device sizes (None for a literal operand)."""
+        reads, writes, launches = self.traffic(node)
+        nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
+        nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
+        seconds = op_time(flops, nbytes, node_peak(node, self.cluster), self.cluster)
+        return seconds + (self.cluster.kernel_overhead_s if launches else 0.0)

@@ -1,0 +1,383 @@
+"""`autopar.profile_cluster`: a `ClusterSpec` measured on the devices at hand.
+
+The presets hold datasheet figures; a profile holds what this machine reaches, for the cost
+model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an achieved rate, so
+`compute_efficiency` and `memory_efficiency` are 1:
+
+- `device_flops`, `tf32_flops`, `fp32_flops`: the best matmul rate over a few shapes in bf16,
+  fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
+- `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
+- `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
+- `intra_host_*` / `inter_host_*`: α (latency) and 1/β (bus bandwidth) fitted per physical
+  mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather, reduce-scatter and
+  all-to-all timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
+- `device_memory`: the device's `bytes_limit`; on CPU, physical RAM over the profiled devices.
+
+An axis of one device has no link to time. Collectives over one device are free in the cost
+model, so its figures are never used, but a spec needs numbers: `intra_host_*` then hold what
+moving bytes inside one device costs (`memory_bandwidth`, `kernel_overhead_s`) and
+`inter_host_*` (one host) copy `intra_host_*`, as `ClusterSpec.local` does.
+`ClusterProfile.unmeasured` names the fields filled so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar.planner.cluster import PLATFORMS, ClusterSpec
+from autopar.planner.cost import Collective
+from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.progress import progress_bar
+from autopar.runtime.microbench import (
+    CollectiveTiming,
+    KernelTiming,
+    MatmulKind,
+    MatmulTiming,
+    ProfileSizes,
+    StreamTiming,
+    measure_collectives,
+    measure_kernel_floor,
+    measure_matmuls,
+    measure_stream,
+    physical_mesh,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ClusterProfile",
+    "CollectiveTiming",
+    "KernelTiming",
+    "MatmulKind",
+    "MatmulTiming",
+    "ProfileSizes",
+    "StreamTiming",
+    "fit_link",
+    "measure_cluster",
+    "profile_cluster",
+]
+
+DEFAULT_SIZES = ProfileSizes()
+_INTRA = ("intra_host_bandwidth", "intra_host_latency")
+_INTER = ("inter_host_bandwidth", "inter_host_latency")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterProfile:
+    """A measured `ClusterSpec` with the timings it was made from (for benchmarks and plots).
+
+    `collectives` lists each timing as (physical axis, kind, B, n, seconds); `unmeasured` the
+    spec fields that no measurement set (see the module docstring); `seconds` the profile's
+    wall time. `to_dict` / `from_dict` round-trip through JSON."""
+
+    spec: ClusterSpec
+    matmul: tuple[MatmulTiming, ...]
+    stream: StreamTiming
+    kernel: KernelTiming
+    collectives: tuple[CollectiveTiming, ...]
+    unmeasured: tuple[str, ...]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict; `ClusterProfile.from_dict` reads it back unchanged."""
+        return {
+            "spec": self.spec.to_dict(),
+            "matmul": [_record_dict(t) for t in self.matmul],
+            "stream": _record_dict(self.stream),
+            "kernel": _record_dict(self.kernel),
+            "collectives": [_record_dict(t) for t in self.collectives],
+            "unmeasured": list(self.unmeasured),
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterProfile:
+        """Build from `to_dict()`'s output; a missing or malformed entry is named."""
+        if not isinstance(d, Mapping):
+            raise InvalidArgumentError(
+                f"ClusterProfile.from_dict needs a mapping from to_dict(), got {type(d).__name__}"
+            )
+        expected = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != expected:
+            raise InvalidArgumentError(
+                f"ClusterProfile.from_dict: missing keys {sorted(expected - set(d))}, unknown "
+                f"keys {sorted(set(d) - expected)}; pass the output of ClusterProfile.to_dict()"
+            )
+        try:
+            return cls(
+                spec=ClusterSpec.from_dict(d["spec"]),
+                matmul=tuple(_record(MatmulTiming, r) for r in d["matmul"]),
+                stream=_record(StreamTiming, d["stream"]),
+                kernel=_record(KernelTiming, d["kernel"]),
+                collectives=tuple(_record(CollectiveTiming, r) for r in d["collectives"]),
+                unmeasured=tuple(str(f) for f in d["unmeasured"]),
+                seconds=float(d["seconds"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"ClusterProfile.from_dict: malformed entry ({type(e).__name__}: {e}); pass the "
+                "output of ClusterProfile.to_dict()"
+            ) from e
+
+    def summary(self) -> str:
+        """The spec's figures, one line per kind of measurement."""
+        s = self.spec
+        lines = [
+            f"{s.name}: {s.num_hosts} host(s) x {s.devices_per_host} {s.platform} device(s), "
+            f"profiled in {self.seconds:.1f} s",
+            f"  matmul (per device): bf16 {_si(s.device_flops)}FLOP/s, fp32 "
+            f"{_si(s.tf32_flops)}FLOP/s at default precision, {_si(s.fp32_flops)}FLOP/s at "
+            "highest",
+            f"  memory (per device): {_si(s.memory_bandwidth)}B/s streaming, "
+            f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
+        ]
+        for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
+            bandwidth, latency = (getattr(s, f) for f in fields)
+            measured = fields[0] not in self.unmeasured
+            note = "" if measured else " (no link to measure: see ClusterProfile.unmeasured)"
+            lines.append(
+                f"  {where}: bus bandwidth {_si(bandwidth)}B/s, latency "
+                f"{latency * 1e6:.1f} us{note}"
+            )
+        return "\n".join(lines)
+
+
+def _si(value: float | None) -> str:
+    if value is None:
+        return "? "
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+_ENUM_FIELDS = {MatmulTiming: MatmulKind, CollectiveTiming: Collective}
+
+
+def _record_dict(record: Any) -> dict[str, Any]:
+    d = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    if "kind" in d:
+        d["kind"] = d["kind"].value
+    return d
+
+
+def _record(cls: type, d: Mapping[str, Any]) -> Any:
+    d = dict(d)
+    if cls in _ENUM_FIELDS:
+        d["kind"] = _ENUM_FIELDS[cls](d["kind"])
+    return cls(**d)
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
+    """(latency α in s, bus bandwidth in bytes/s) of one mesh axis from its collective timings.
+
+    Fits t = α + β·x with x = f(n)·B, the cost model's formula at bandwidth 1 and latency 0,
+    by least squares on relative error (timings span orders of magnitude). A negative α is
+    refitted through the origin; a fit whose bytes cost < 1% of the largest timing (sizes too
+    small to see a bandwidth) keeps its latency and takes the best rate reached, x / t, as the
+    bandwidth (a lower bound)."""
+    x = np.array([t.kind.cost(t.num_bytes, t.num_devices, 1.0, 0.0) for t in timings])
+    y = np.array([t.seconds for t in timings])
+    if len(timings) < 2 or np.any(y <= 0) or np.any(x <= 0):
+        raise InvalidArgumentError(
+            f"fit_link needs at least 2 timings with positive seconds and bytes, got {timings!r}"
+        )
+    w = 1.0 / y
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([w, x * w], axis=1), np.ones_like(y), rcond=None)
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
+    if beta * x.max() <= 0.01 * (alpha + beta * x.max()):  # bytes < 1% of the largest's time
+        bandwidth = float(np.max(x / y))
+        logger.warning(
+            "collective times did not grow with size (%d timings up to %d bytes): bandwidth "
+            "set to the best rate reached, %.3g B/s",
+            len(timings),
+            max(t.num_bytes for t in timings),
+            bandwidth,
+        )
+        return max(0.0, float(alpha)), bandwidth
+    return float(alpha), 1.0 / float(beta)
+
+
+def _peaks(matmul: Sequence[MatmulTiming]) -> dict[str, float]:
+    """The best rate of each `MatmulKind`, by the `ClusterSpec` field it sets."""
+    return {k.spec_field: max(t.flops_per_s for t in matmul if t.kind is k) for k in MatmulKind}
+
+
+def build_spec(
+    devices: Sequence[jax.Device],
+    matmul: Sequence[MatmulTiming],
+    stream: StreamTiming,
+    kernel: KernelTiming,
+    collectives: Sequence[CollectiveTiming],
+) -> tuple[ClusterSpec, tuple[str, ...]]:
+    """The spec of `devices` from its measurements, and the fields no measurement set."""
+    shape = physical_mesh(devices)[0].devices.shape
+    hosts, per_host = (1, shape[0]) if len(shape) == 1 else shape
+    links = {
+        axis: fit_link([t for t in collectives if t.axis == axis])
+        for axis in sorted({t.axis for t in collectives})
+    }
+    unmeasured: tuple[str, ...] = ()
+    if 1 not in links:  # one device per host: a copy inside the device
+        links[1] = (kernel.per_kernel_s, stream.bytes_per_s)
+        unmeasured += _INTRA
+    if 0 not in links:  # one host
+        links[0] = links[1]
+        unmeasured += _INTER
+    platform = devices[0].platform
+    spec = ClusterSpec(
+        num_hosts=hosts,
+        devices_per_host=per_host,
+        device_memory=_device_memory(devices),
+        intra_host_bandwidth=links[1][1],
+        inter_host_bandwidth=links[0][1],
+        intra_host_latency=links[1][0],
+        inter_host_latency=links[0][0],
+        name=f"profiled-{platform}-{len(devices)}",
+        platform=platform,
+        memory_bandwidth=stream.bytes_per_s,
+        compute_efficiency=1.0,  # achieved rates, not datasheet peaks
+        memory_efficiency=1.0,
+        kernel_overhead_s=kernel.per_kernel_s,
+        **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
+    )
+    return spec, unmeasured
+
+
+def _device_memory(devices: Sequence[jax.Device]) -> float:
+    """The device's memory limit, or (CPU) physical RAM shared by this host's profiled devices."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = local[0].memory_stats()
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(local)
+
+
+# ----------------------------------------------------------------------------- the entry points
+
+
+def _check_devices(devices: Any) -> tuple[jax.Device, ...]:
+    """`devices` as a tuple, or InvalidArgumentError saying what to pass instead."""
+    hint = "pass a list of jax devices of one platform, e.g. jax.devices() or jax.devices()[:4]"
+    if not isinstance(devices, list | tuple):
+        raise InvalidArgumentError(f"devices={devices!r} is not a list; {hint}")
+    if not devices:
+        raise InvalidArgumentError(f"devices={devices!r} is empty; {hint}")
+    others = [d for d in devices if not isinstance(d, jax.Device)]
+    if others:
+        raise InvalidArgumentError(f"devices holds {others[0]!r}, not a jax device; {hint}")
+    platforms = sorted({d.platform for d in devices})
+    if len(platforms) > 1:
+        raise InvalidArgumentError(f"devices mixes platforms {platforms}; {hint}")
+    if platforms[0] not in PLATFORMS:
+        raise InvalidArgumentError(
+            f"devices are {platforms[0]!r} devices, but a ClusterSpec describes one of "
+            f"{PLATFORMS}; profile those"
+        )
+    if len(set(devices)) != len(devices):
+        raise InvalidArgumentError(f"devices lists a device twice: {list(devices)}; {hint}")
+    per_host: dict[int, int] = {}
+    for d in devices:
+        per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
+    if len(set(per_host.values())) > 1:
+        raise InvalidArgumentError(
+            f"devices per host (process) differ: {per_host}; a ClusterSpec is homogeneous, so "
+            "pass the same number of devices from every host"
+        )
+    return tuple(devices)
+
+
+def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -> ClusterProfile:
+    """Measure `devices` (see the module docstring) and return the spec with its timings.
+
+    `devices`: a list of jax devices of one platform, the same number on every host (process);
+    default: the devices of autopar's runtime (`autopar.init`; all local devices without it),
+    and on `autopar.init("ray")` the Ray cluster's hosts, measured by one mesh worker each.
+    A multi-process call must be made by every process, like any SPMD program. `sizes` (default
+    `DEFAULT_SIZES`) sets how much is measured; smaller sizes are for tests.
+    """
+    sizes = DEFAULT_SIZES if sizes is None else sizes
+    if not isinstance(sizes, ProfileSizes):
+        raise InvalidArgumentError(f"sizes={sizes!r} must be a ProfileSizes or None")
+    if devices is None:
+        from autopar.context import current_runtime
+
+        runtime = current_runtime()
+        if runtime.kind == "ray":
+            return _measure_on_ray(runtime.ray, sizes)
+        devices = runtime.devices
+    devices = _check_devices(devices)
+    start = time.perf_counter()
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    bar = progress_bar(desc="profiling cluster", unit="measurement")
+    try:
+        matmul = measure_matmuls(local, sizes, bar.update)
+        stream = measure_stream(local, sizes)
+        bar.update()
+        kernel = measure_kernel_floor(local, sizes)
+        bar.update()
+        collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
+    finally:
+        bar.close()
+    spec, unmeasured = build_spec(devices, matmul, stream, kernel, collectives)
+    profile = ClusterProfile(
+        spec,
+        tuple(matmul),
+        stream,
+        kernel,
+        tuple(collectives),
+        unmeasured,
+        time.perf_counter() - start,
+    )
+    logger.info("profiled %d %s device(s) in %.1f s", len(devices), spec.platform, profile.seconds)
+    return profile
+
+
+def profile_cluster(devices: Any = None) -> ClusterSpec:
+    """A `ClusterSpec` of `devices` measured on them: matmul rates, memory bandwidth, kernel
+    floor and per-axis link latency and bandwidth (see `measure_cluster` for `devices`).
+
+    Example::
+
+        spec = autopar.profile_cluster()               # all local devices, a few seconds
+        json.dump(spec.to_dict(), open("spec.json", "w"))
+        autopar.plan(step, state, batch, method=autopar.ShardParallel(), cluster_spec=spec)
+    """
+    return measure_cluster(devices).spec
+
+
+def _measure_on_ray(cluster: Any, sizes: ProfileSizes) -> ClusterProfile:
+    """`measure_cluster` run by one mesh worker per Ray host, joined into one SPMD program;
+    the figures of host 0 (hosts are alike, as a ClusterSpec assumes)."""
+    if cluster.use_gpus and cluster.actors:
+        raise InvalidArgumentError(
+            f"profile_cluster on Ray needs the hosts' GPUs, but {len(cluster.actors)} mesh "
+            "worker(s) hold them: profile before the first step, or autopar.shutdown() and "
+            "autopar.init('ray') again"
+        )
+    spec = cluster.cluster_spec
+    workers = [cluster.start_worker(h, spec.devices_per_host) for h in range(spec.num_hosts)]
+    try:
+        cluster.wait([w.ping.remote() for w in workers], "starting the profiling workers")
+        if len(workers) > 1:
+            (address,) = cluster.wait([workers[0].coordinator_address.remote()], "a coordinator")
+            joins = [w.join.remote(address, len(workers), p) for p, w in enumerate(workers)]
+            cluster.wait(joins, "joining the profiling workers")
+        results = cluster.wait(
+            [w.profile_cluster.remote(sizes) for w in workers], "profiling the cluster"
+        )
+    finally:
+        cluster.stop_workers(workers)
+    return ClusterProfile.from_dict(results[0])

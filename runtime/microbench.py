@@ -1,0 +1,373 @@
+"""Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
+floor and collectives, timed on the devices themselves.
+
+Compute runs on every local device at once (`shard_map` over them, no communication), so a
+figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
+share of the cores for simulated CPU devices. Each op is a step x -> new x of the same shape
+and placement (x is donated, so no buffer is copied or allocated between runs). A program of
+`chain` steps, each reading the one before (an `optimization_barrier` between them stops XLA
+fusing them), is timed against a program of one, and one op's time is
+(t_chain − t_1) / (chain − 1): what a program pays once (Python's dispatch, allocating its
+output) cancels out. Where the chain takes less than 1.5 t_1 (ops too small to stand out of
+that cost or of the noise) the op's time is taken as t_chain / chain instead, an upper bound,
+so that a rate is never overstated. Each program is compiled, run once to warm up, then timed
+`repeats` times (median).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.planner.cost import Collective
+from autopar.planner.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+KIB, MIB = 1 << 10, 1 << 20
+_TINY = 8  # side of the matmuls that measure the kernel floor
+
+
+class MatmulKind(enum.Enum):
+    """A matmul precision, and the `ClusterSpec` field its best rate sets."""
+
+    BF16 = "bfloat16"
+    FP32 = "float32"  # JAX's default precision: TF32 tensor cores on GPUs that have them
+    FP32_HIGHEST = "float32-highest"  # jax.lax.Precision.HIGHEST: true fp32
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.bfloat16 if self is MatmulKind.BF16 else jnp.float32
+
+    @property
+    def precision(self) -> Any:
+        return jax.lax.Precision.HIGHEST if self is MatmulKind.FP32_HIGHEST else None
+
+    @property
+    def spec_field(self) -> str:
+        return {"bfloat16": "device_flops", "float32": "tf32_flops"}.get(self.value, "fp32_flops")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProfileSizes:
+    """How much `measure_cluster` measures. The defaults are what `profile_cluster` uses. Sizes
+    grow until one timed run of the next one (1 + `chain` ops) would take longer than
+    `max_run_s` (time grows as size³ for matmuls, as size for collectives; at least one matmul
+    and two collective sizes are measured), so slow devices stay quick to profile and fast
+    ones reach sizes that show their peak."""
+
+    matmul_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)  # square m = k = n
+    stream_bytes: int = 64 * MIB  # per device buffer of the streaming kernel
+    kernel_ops: int = 256  # tiny ops in the kernel-floor program (against 1)
+    collective_bytes: tuple[int, ...] = tuple(256 * KIB * 4**i for i in range(6))  # to 256 MiB
+    chain: int = 4  # ops per timed program (against 1)
+    repeats: int = 5  # timed runs per program (median)
+    max_run_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_sizes", "collective_bytes"):
+            value = getattr(self, name)
+            ok = isinstance(value, tuple) and value and all(_positive_int(v) for v in value)
+            if not ok or list(value) != sorted(set(value)):
+                raise InvalidArgumentError(
+                    f"ProfileSizes.{name}={value!r} must be a non-empty tuple of increasing "
+                    "positive ints"
+                )
+        for name in ("stream_bytes", "kernel_ops", "chain", "repeats"):
+            value = getattr(self, name)
+            least = 2 if name in ("kernel_ops", "chain") else 1
+            if not _positive_int(value) or value < least:
+                raise InvalidArgumentError(
+                    f"ProfileSizes.{name}={value!r} must be an int of at least {least}"
+                )
+        if not (isinstance(self.max_run_s, int | float) and self.max_run_s > 0):
+            raise InvalidArgumentError(
+                f"ProfileSizes.max_run_s={self.max_run_s!r} must be a positive number of seconds"
+            )
+
+    def too_slow(self, seconds: float, growth: float) -> bool:
+        """Whether a run of an op that took `seconds` grown `growth` times exceeds the limit
+        (process 0 decides for all processes, which must run the same programs)."""
+        return _agreed((1 + self.chain) * seconds * growth) > self.max_run_s
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatmulTiming:
+    """One (m, k) @ (k, n) matmul of `kind` on one device (all local devices running one)."""
+
+    kind: MatmulKind
+    m: int
+    k: int
+    n: int
+    seconds: float
+
+    @property
+    def flops_per_s(self) -> float:
+        return 2 * self.m * self.k * self.n / self.seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamTiming:
+    """`x * a + b` over a float32 buffer on one device; `num_bytes` = read + written."""
+
+    num_bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelTiming:
+    """A program of `num_kernels` tiny dependent matmuls against one of a single one."""
+
+    num_kernels: int
+    seconds_one: float
+    seconds_many: float
+
+    @property
+    def per_kernel_s(self) -> float:
+        """(t_N − t_1) / (N − 1), at least 0: one kernel's floor without the dispatch."""
+        return max(0.0, (self.seconds_many - self.seconds_one) / (self.num_kernels - 1))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CollectiveTiming:
+    """One collective along physical mesh `axis` (0 across hosts, 1 within a host) over
+    `num_devices` devices; `num_bytes` is the B of its formula in `autopar.planner.cost`."""
+
+    axis: int
+    kind: Collective
+    num_bytes: int
+    num_devices: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _compiled(fun: Callable, x: jax.Array, consts: Sequence[jax.Array]) -> Any:
+    return jax.jit(fun, donate_argnums=0).lower(x, *consts).compile()
+
+
+def _timed_calls(
+    compiled: Any, x: jax.Array, consts: Sequence[jax.Array], calls: int, repeats: int
+) -> tuple[float, jax.Array]:
+    """Median wall time of `calls` back-to-back calls `x = compiled(x, *consts)` after one
+    warm-up call, and the last x (`x` is donated: its buffer is reused, never copied)."""
+    x = jax.block_until_ready(compiled(x, *consts))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            x = compiled(x, *consts)
+        jax.block_until_ready(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), x
+
+
+def _chained(step: Callable, times: int) -> Callable:
+    """`step` applied `times` times, each to the previous one's output, not fused together."""
+
+    def run(x, *consts):
+        for _ in range(times):
+            x = jax.lax.optimization_barrier(step(x, *consts))
+        return x
+
+    return run
+
+
+def _op_s(
+    wrap: Callable[[Callable], Callable],
+    step: Callable,
+    x: jax.Array,
+    consts: Sequence[jax.Array],
+    sizes: ProfileSizes,
+    fusible: bool = False,
+) -> float:
+    """Seconds of one `step(x, *consts) -> new x` (see the module docstring); `wrap` puts a
+    per-device body on the mesh. A `fusible` step is chained by back-to-back calls instead:
+    XLA's CPU backend drops optimization barriers before fusing."""
+    single = _compiled(wrap(step), x, consts)
+    one, x = _timed_calls(single, x, consts, 1, sizes.repeats)
+    if fusible:
+        many, x = _timed_calls(single, x, consts, sizes.chain, sizes.repeats)
+    else:
+        chained = _compiled(wrap(_chained(step, sizes.chain)), x, consts)
+        many, x = _timed_calls(chained, x, consts, 1, sizes.repeats)
+    if many < 1.5 * one:  # the ops hardly stand out of the fixed cost (or of the noise)
+        return many / sizes.chain  # an upper bound: op + fixed cost / chain
+    return (many - one) / (sizes.chain - 1)
+
+
+def _local_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object), ("d",))
+
+
+def _per_device(mesh: Mesh, num_args: int) -> Callable[[Callable], Callable]:
+    """Wrap a body so it runs on each device of `mesh` on its own block (dim 0 split)."""
+    spec = PartitionSpec(mesh.axis_names)
+
+    def wrap(body: Callable) -> Callable:
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(spec,) * num_args, out_specs=spec, check_vma=False
+        )
+
+    return wrap
+
+
+def _filled(mesh: Mesh, shape: tuple[int, ...], dtype: Any, value: float) -> jax.Array:
+    """A global array of `shape` (dim 0 split over all of `mesh`), made on the devices."""
+    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)()
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def measure_matmuls(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, tick: Callable[[], None]
+) -> list[MatmulTiming]:
+    """`MatmulTiming`s of every `MatmulKind`: growing squares, then one tall-skinny shape
+    (4s, s) @ (s, s) with s half the largest square that ran."""
+    mesh, d = _local_mesh(devices), len(devices)
+    wrap = _per_device(mesh, 2)
+    timings = []
+    for kind in MatmulKind:
+
+        def step(x, w, precision=kind.precision):
+            return jnp.matmul(x, w, precision=precision)
+
+        def run(m: int, k: int, kind=kind, step=step) -> MatmulTiming:
+            x = _filled(mesh, (d * m, k), kind.dtype, 0.5)
+            w = _filled(mesh, (d * k, k), kind.dtype, 1.0 / k)  # x @ w stays 0.5
+            timing = MatmulTiming(kind, m, k, k, _op_s(wrap, step, x, (w,), sizes))
+            tick()
+            return timing
+
+        largest = None
+        for s in sizes.matmul_sizes:
+            if largest is not None and sizes.too_slow(largest.seconds, (s / largest.m) ** 3):
+                break
+            largest = run(s, s)
+            timings.append(largest)
+        half = max(1, largest.m // 2)
+        timings.append(run(4 * half, half))
+    return timings
+
+
+def measure_stream(devices: Sequence[jax.Device], sizes: ProfileSizes) -> StreamTiming:
+    """`x * a + b` over `sizes.stream_bytes` of float32 per device: read once, written once."""
+    mesh, d = _local_mesh(devices), len(devices)
+    elements = sizes.stream_bytes // 4
+    x = _filled(mesh, (d * elements,), jnp.float32, 1.0)
+    a, b = _filled(mesh, (d,), jnp.float32, 1.0), _filled(mesh, (d,), jnp.float32, 0.0)
+    step = lambda x, a, b: x * a + b  # noqa: E731
+    seconds = _op_s(_per_device(mesh, 3), step, x, (a, b), sizes, fusible=True)
+    return StreamTiming(2 * 4 * elements, seconds)
+
+
+def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:
+    """`sizes.kernel_ops` tiny dependent matmuls in one program against a single one."""
+    mesh, d = _local_mesh(devices), len(devices)
+    x = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 0.5)
+    w = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 1.0 / _TINY)
+    wrap = _per_device(mesh, 2)
+    one, x = _timed_calls(_compiled(wrap(jnp.matmul), x, (w,)), x, (w,), 1, sizes.repeats)
+    chained = _compiled(wrap(_chained(jnp.matmul, sizes.kernel_ops)), x, (w,))
+    many, _ = _timed_calls(chained, x, (w,), 1, sizes.repeats)
+    return KernelTiming(sizes.kernel_ops, one, many)
+
+
+_OPS: dict[Collective, Callable[[jax.Array, str], jax.Array]] = {
+    Collective.ALL_REDUCE: lambda x, axis: jax.lax.psum(x, axis),
+    Collective.ALL_GATHER: lambda x, axis: jax.lax.all_gather(x, axis, tiled=True),
+    Collective.REDUCE_SCATTER: lambda x, axis: jax.lax.psum_scatter(x, axis, tiled=True),
+    Collective.ALL_TO_ALL: lambda x, axis: jax.lax.all_to_all(x, axis, 0, 0, tiled=True),
+}
+
+
+def _collective_step(collective: Callable, axis: str) -> Callable:
+    """The collective, then its first element written into x in place: a dependency for the
+    next one that moves no data (all-gather and reduce-scatter change the shape)."""
+
+    def step(x):
+        return jax.lax.dynamic_update_slice(x, collective(x, axis)[:1], (0,))
+
+    return step
+
+
+def _input_elements(kind: Collective, num_bytes: int, n: int) -> int:
+    """float32 elements each device feeds `kind` when its formula's B is `num_bytes`
+    (all-gather's B is its output), a multiple of n so that pieces divide evenly."""
+    per_device = num_bytes // n if kind is Collective.ALL_GATHER else num_bytes
+    return max(n, per_device // (4 * n) * n)
+
+
+def measure_collectives(
+    mesh: Mesh, physical_axes: Sequence[int], sizes: ProfileSizes, tick: Callable[[], None]
+) -> list[CollectiveTiming]:
+    """Every collective along every axis of `mesh` with more than one device, at growing B.
+    `physical_axes[i]` is the physical mesh axis (0 hosts, 1 devices) of mesh axis i."""
+    spec = PartitionSpec(mesh.axis_names)
+
+    def wrap(body: Callable) -> Callable:
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+    timings = []
+    for name, axis in zip(mesh.axis_names, physical_axes, strict=True):
+        n = mesh.shape[name]
+        if n == 1:
+            continue
+        for kind, collective in _OPS.items():
+            step = _collective_step(collective, name)
+            done: list[CollectiveTiming] = []
+            for num_bytes in sizes.collective_bytes:
+                last = done[-1] if len(done) >= 2 else None
+                if last is not None and sizes.too_slow(last.seconds, num_bytes / last.num_bytes):
+                    break
+                elements = _input_elements(kind, num_bytes, n)
+                x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
+                b = 4 * elements * (n if kind is Collective.ALL_GATHER else 1)
+                done.append(CollectiveTiming(axis, kind, b, n, _op_s(wrap, step, x, (), sizes)))
+                tick()
+            timings += done
+    return timings
+
+
+def _agreed(seconds: float) -> float:
+    """Process 0's figure on every process, so that all take the same branch (they must run
+    the same collectives in the same order)."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.float64(seconds)))
+
+
+def physical_mesh(devices: Sequence[jax.Device]) -> tuple[Mesh, tuple[int, ...]]:
+    """The (hosts, devices per host) mesh of `devices` (hosts by `process_index`), and the
+    physical axis of each of its axes; one axis ("devices", physical axis 1) on one host."""
+    by_host: dict[int, list[jax.Device]] = {}
+    for device in devices:
+        by_host.setdefault(device.process_index, []).append(device)
+    rows = [by_host[h] for h in sorted(by_host)]
+    if len(rows) == 1:
+        return Mesh(np.array(rows[0], dtype=object), ("devices",)), (1,)
+    grid = np.array(rows, dtype=object)
+    return Mesh(grid, ("hosts", "devices")), (0, 1)

@@ -1,0 +1,231 @@
+"""`autopar.profile_cluster`: a ClusterSpec measured on the 8 simulated CPU devices (and on one,
+and on Ray workers), its JSON round trips, the link fit on synthetic timings, bad arguments,
+and the `autopar profile-cluster` command feeding `autopar plan --cluster`.
+
+Measurements use `SMALL` sizes so the module runs in seconds; the defaults are what users get.
+"""
+
+import dataclasses
+import json
+import re
+
+import jax
+import pytest
+
+import autopar
+from autopar import cli
+from autopar.planner.cost import Collective
+from autopar.runtime import cluster_profile
+from autopar.runtime.cluster_profile import (
+    ClusterProfile,
+    CollectiveTiming,
+    MatmulKind,
+    ProfileSizes,
+    fit_link,
+    measure_cluster,
+)
+
+KIB = 1 << 10
+SMALL = ProfileSizes(
+    matmul_sizes=(64,),
+    stream_bytes=256 * KIB,
+    kernel_ops=16,
+    collective_bytes=(4 * KIB, 64 * KIB),
+    chain=2,
+    repeats=3,
+)
+INTRA = ("intra_host_bandwidth", "intra_host_latency")
+INTER = ("inter_host_bandwidth", "inter_host_latency")
+# ray.init starts its processes with fork+exec while jax's threads run; exec makes that safe.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return measure_cluster(jax.devices(), sizes=SMALL)
+
+
+@pytest.fixture(scope="module")
+def one():
+    return measure_cluster(jax.devices()[:1], sizes=SMALL)
+
+
+@pytest.fixture
+def small_defaults(monkeypatch):
+    """`profile_cluster` and the CLI measure `SMALL` sizes."""
+    monkeypatch.setattr(cluster_profile, "DEFAULT_SIZES", SMALL)
+
+
+def check_plausible(spec: autopar.ClusterSpec) -> None:
+    """Figures a CPU device can have: positive, finite and within wide physical bounds."""
+    for field in ("device_flops", "tf32_flops", "fp32_flops"):
+        assert 1e7 < getattr(spec, field) < 1e14, field  # 10 MFLOP/s .. 100 TFLOP/s
+    assert 1e7 < spec.memory_bandwidth < 1e13
+    assert 0 < spec.intra_host_bandwidth < 1e13 and 0 < spec.inter_host_bandwidth < 1e13
+    assert 0 <= spec.intra_host_latency < 0.1 and 0 <= spec.inter_host_latency < 0.1
+    assert 0 <= spec.kernel_overhead_s < 0.01
+    assert spec.compute_efficiency == spec.memory_efficiency == 1.0
+    assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14
+
+
+def test_eight_devices_measure_every_collective_within_the_host(eight):
+    spec = eight.spec
+    check_plausible(spec)
+    assert (spec.physical_mesh_shape, spec.name) == ((1, 8), "profiled-cpu-8")
+    assert {t.kind for t in eight.matmul} == set(MatmulKind)
+    best_bf16 = max(t.flops_per_s for t in eight.matmul if t.kind is MatmulKind.BF16)
+    assert spec.device_flops == best_bf16
+    assert {(t.axis, t.kind, t.num_devices) for t in eight.collectives} == {
+        (1, kind, 8) for kind in Collective
+    }
+    assert all(t.seconds > 0 for t in eight.collectives)
+    # One host: nothing crosses hosts, so the inter-host link copies the measured intra-host one.
+    assert eight.unmeasured == INTER
+    assert (spec.inter_host_bandwidth, spec.inter_host_latency) == (
+        spec.intra_host_bandwidth,
+        spec.intra_host_latency,
+    )
+
+
+def test_one_device_has_no_link_and_says_so(one):
+    spec = one.spec
+    check_plausible(spec)
+    assert (spec.physical_mesh_shape, spec.name) == ((1, 1), "profiled-cpu-1")
+    assert one.collectives == ()
+    assert one.unmeasured == INTRA + INTER
+    assert spec.intra_host_bandwidth == spec.memory_bandwidth  # a copy inside the device
+    assert spec.intra_host_latency == spec.kernel_overhead_s
+    assert "no link to measure" in one.summary()
+
+
+@pytest.mark.parametrize("which", ["one", "eight"])
+def test_spec_and_profile_round_trip_through_json(which, request, tmp_path):
+    profile = request.getfixturevalue(which)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(profile.spec.to_dict()))
+    assert autopar.ClusterSpec.from_json_file(path) == profile.spec
+    assert ClusterProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_profile_from_bad_dict_names_the_problem(one):
+    d = one.to_dict()
+    with pytest.raises(autopar.InvalidArgumentError, match=r"missing keys \['stream'\]"):
+        ClusterProfile.from_dict({k: v for k, v in d.items() if k != "stream"})
+    d["collectives"] = [{"axis": 1, "kind": "all-shuffle"}]
+    with pytest.raises(autopar.InvalidArgumentError, match="all-shuffle"):
+        ClusterProfile.from_dict(d)
+
+
+def _synthetic(latency: float, bandwidth: float, n: int = 4) -> list[CollectiveTiming]:
+    return [
+        CollectiveTiming(1, kind, b, n, kind.cost(b, n, bandwidth, latency))
+        for kind in Collective
+        for b in (1 << 12, 1 << 16, 1 << 20)
+    ]
+
+
+def test_fit_link_recovers_the_cost_model_and_stays_physical():
+    latency, bandwidth = fit_link(_synthetic(7e-6, 40e9))
+    assert latency == pytest.approx(7e-6, rel=1e-6)
+    assert bandwidth == pytest.approx(40e9, rel=1e-6)
+    # Times below the formula's zero-latency line would fit α < 0: refitted through the origin.
+    shifted = [dataclasses.replace(t, seconds=t.seconds * 0.5) for t in _synthetic(0, 1e9)]
+    shifted[0] = dataclasses.replace(shifted[0], seconds=shifted[0].seconds * 0.2)
+    latency, bandwidth = fit_link(shifted)
+    assert latency == 0 and bandwidth > 0
+    # Times that do not grow with size: all latency, and the best rate reached as bandwidth.
+    flat = [dataclasses.replace(t, seconds=1e-4) for t in _synthetic(0, 1e9)]
+    latency, bandwidth = fit_link(flat)
+    best = max(t.kind.cost(t.num_bytes, t.num_devices, 1, 0) / t.seconds for t in flat)
+    assert bandwidth == pytest.approx(best) and latency == pytest.approx(1e-4)
+
+
+def test_profile_cluster_defaults_to_the_runtime_devices(small_defaults):
+    autopar.init("local", num_devices=1)
+    try:
+        spec = autopar.profile_cluster()
+    finally:
+        autopar.shutdown()
+    assert spec.physical_mesh_shape == (1, 1)
+    check_plausible(spec)
+
+
+BAD_DEVICES = {
+    "a device": (lambda: jax.devices()[0], "is not a list"),
+    "empty": (lambda: [], r"devices=\[\] is empty"),
+    "a string": (lambda: ["cpu:0"], "holds 'cpu:0', not a jax device"),
+    "twice": (lambda: [jax.devices()[0]] * 2, "lists a device twice"),
+}
+
+
+@pytest.mark.parametrize("make,message", BAD_DEVICES.values(), ids=BAD_DEVICES.keys())
+def test_bad_devices_are_named(make, message):
+    with pytest.raises(autopar.InvalidArgumentError, match=message) as info:
+        autopar.profile_cluster(make())
+    assert "pass a list of jax devices" in str(info.value)
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(autopar.InvalidArgumentError, match=r"ProfileSizes.chain=1 .* at least 2"):
+        ProfileSizes(chain=1)
+    with pytest.raises(autopar.InvalidArgumentError, match="increasing positive ints"):
+        ProfileSizes(matmul_sizes=(1024, 512))
+    with pytest.raises(autopar.InvalidArgumentError, match="sizes='big' must be a ProfileSizes"):
+        measure_cluster(sizes="big")
+
+
+def test_cli_writes_a_spec_that_plan_accepts(tmp_path, capsys, small_defaults):
+    path = tmp_path / "spec.json"
+    code = cli.main(["profile-cluster", "--out", str(path), "--devices", "2", "-q"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith("profiled-cpu-2: 1 host(s) x 2 cpu device(s)")
+    spec = autopar.ClusterSpec.from_json_file(path)
+    assert spec.physical_mesh_shape == (1, 2)
+    check_plausible(spec)
+    code = cli.main(["plan", "mlp", "--cluster", str(path), "-q"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "profiled-cpu-2" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--out", "/no/such/dir/spec.json"], "--out '/no/such/dir/spec.json': directory"),
+        (["--out", "{tmp}/s.json", "--devices", "99"], r"--devices 99: this machine has 8 cpu"),
+        (["--out", "{tmp}/s.json", "--devices", "0"], "must be a positive integer"),
+        ([], "required: --out"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    argv = ["profile-cluster", *(a.format(tmp=tmp_path) for a in argv)]
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_on_ray_each_host_is_a_mesh_worker():
+    ray = pytest.importorskip("ray")
+    from ray._private import state
+
+    assert not ray.is_initialized()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        two_by_two = dataclasses.replace(autopar.ClusterSpec.local(2), num_hosts=2)
+        autopar.init("ray", cluster_spec=two_by_two)
+        try:
+            profile = measure_cluster(sizes=SMALL)
+        finally:
+            autopar.shutdown()
+        alive = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+    finally:
+        ray.shutdown()
+    assert profile.spec.physical_mesh_shape == (2, 2)
+    assert profile.unmeasured == ()  # both axes have a link: across and within the hosts
+    assert {(t.axis, t.num_devices) for t in profile.collectives} == {(0, 2), (1, 2)}
+    check_plausible(profile.spec)
+    assert alive == []

@@ -1,0 +1,85 @@
+"""The roofline cost model: per-op time from FLOPs at the dtype's peak against bytes moved, fusion
+as the memory model sees it, and the plans that follow from it on the V100 preset."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from autopar.planner.cluster import ClusterSpec
+from autopar.planner.roofline import op_time
+
+V100 = ClusterSpec.preset("8xV100-p3")
+A100 = ClusterSpec.preset("8xA100-80G")
+F32 = np.dtype("float32")
+
+
+def test_op_time_is_the_slower_of_compute_and_memory():
+    spec = dataclasses.replace(V100, compute_efficiency=0.5, memory_efficiency=0.5)
+    # 1 GFLOP at 15.7 TFLOP/s x 0.5 = 127 us; 1 MB at 450 GB/s = 2.2 us: compute-bound.
+    assert op_time(1e9, 1e6, 15.7e12, spec) == pytest.approx(1e9 / 7.85e12)
+    # 1 MFLOP = 0.13 us against 100 MB at 450 GB/s = 222 us: memory-bound.
+    assert op_time(1e6, 1e8, 15.7e12, spec) == pytest.approx(1e8 / 450e9)
+    unknown = dataclasses.replace(spec, memory_bandwidth=None)  # older specs: FLOPs only
+    assert op_time(1e6, 1e8, 15.7e12, unknown) == pytest.approx(1e6 / 7.85e12)
+
+
+def test_peak_depends_on_dtype_and_precision():
+    bf16, f16 = np.dtype(jnp.bfloat16), np.dtype("float16")
+    assert A100.peak_flops(bf16, matmul=True) == A100.peak_flops(f16) == 312e12
+    assert A100.peak_flops(F32, matmul=True) == 156e12  # TF32: JAX's default precision
+    assert A100.peak_flops(F32, matmul=True, highest_precision=True) == 19.5e12
+    assert A100.peak_flops(F32) == 19.5e12  # element-wise fp32: no tensor cores
+    assert V100.peak_flops(F32, matmul=True) == 15.7e12  # Volta has no TF32
+    old = ClusterSpec(1, 8, 1e12, 16e9, 1e10, 1e10, 1e-5, 1e-5)  # fields of format 6 only
+    assert old.peak_flops(F32, matmul=True) == old.peak_flops(bf16) == 1e12
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("memory_bandwidth", 0.0),
+        ("memory_bandwidth", float("inf")),
+        ("compute_efficiency", 1.5),
+        ("memory_efficiency", 0.0),
+        ("kernel_overhead_s", -1e-6),
+        ("tf32_flops", "fast"),
+    ],
+)
+def test_roofline_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(V100, **{field: value})
+
+
+def test_spec_without_roofline_fields_loads_with_flop_only_defaults(tmp_path):
+    d = {k: v for k, v in V100.to_dict().items() if k not in _ROOFLINE_FIELDS}
+    spec = ClusterSpec.from_dict(d)
+    assert spec.memory_bandwidth is None and spec.kernel_overhead_s == 0.0
+    assert spec.compute_efficiency == spec.memory_efficiency == 1.0
+    assert ClusterSpec.from_dict(V100.to_dict()) == V100
+
+
+_ROOFLINE_FIELDS = (
+    "memory_bandwidth",
+    "fp32_flops",
+    "tf32_flops",
+    "compute_efficiency",
+    "memory_efficiency",
+    "kernel_overhead_s",
+)
+
+
+def test_element_wise_chain_reads_and_writes_once():
+    """tanh(x * 2 + 1) is one fused kernel: it reads x and writes the result, nothing between."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    one = V100.with_devices(1, 1)
+    plan = autopar.plan(lambda s, x: (s, jnp.tanh(x * 2.0 + 1.0)), 0.0, x, cluster_spec=one)
+    memory_s = 2 * x.size * 4 / (V100.memory_bandwidth * V100.memory_efficiency)
+    # The kernel is priced as the sum of its members' rooflines: mul's arithmetic hides under
+    # its read of x, tanh's under its write; add, with no memory traffic, adds its arithmetic.
+    add_s = x.size / (V100.fp32_flops * V100.compute_efficiency)
+    expected = memory_s + add_s + V100.kernel_overhead_s
+    assert plan.predicted.compute_s == pytest.approx(expected, rel=1e-6)
