@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-grad: $(STAMP)
 
 bench-fuzz: $(STAMP)
 	$(VENV)/bin/python benchmarks/fuzz.py --cases 300
+
+bench-costmodel: $(STAMP)
+	$(VENV)/bin/python benchmarks/cost_model.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -24,7 +24,7 @@ from typing import Any
 from autopar.options import AutoLayerOption, LayerOption, ManualLayerOption
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.plan import Plan
+from autopar.planner.plan import PLAN_FORMAT_VERSION, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,8 @@ class PlanCache:
             "method": repr(method),
             "mesh": repr(mesh),
             "autopar": __version__,
+            # A new format comes with a new cost model: plans priced by an older one are stale.
+            "plan_format": str(PLAN_FORMAT_VERSION),
         }
 
     def _path(self, key: dict[str, str]) -> pathlib.Path:

@@ -5,7 +5,7 @@ would not be honest): `autopar.profile_cluster()` measures the device, then for 
 zoo the plan that `autopar.parallelize` makes with default options is asked for its predicted
 step time and the same compiled step is timed (median of `STEPS` steps after a warm-up). The
 zoo: the bundled MLP at a small-batch/wide and a large-batch/narrow shape, GPT, MoE and
-Wide-ResNet, and transformers' Flax GPT-2 and an equinox transformer where installed.
+Wide-ResNet, and transformers' Flax GPT-2 where installed.
 Reported: predicted, measured, their ratio per model, and Kendall's τ between the two orders.
 
 Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
@@ -74,12 +74,6 @@ def _zoo():
         return zoo
     sizes = {"seq": 64, "vocab": 1024, "hidden": 128}
     zoo.append(("transformers gpt2", lambda: _client(clients.gpt2(optax.adam(1e-3), 16, **sizes))))
-    zoo.append(
-        (
-            "equinox transformer",
-            lambda: _client(clients.equinox_transformer(optax.adam(1e-3), 64)),
-        )
-    )
     return zoo
 
 
