@@ -70,7 +70,7 @@ def _zoo():
     ]
     try:
         import clients
-    except ImportError:  # transformers / equinox not installed: the bundled zoo only
+    except ImportError:  # transformers not installed: the bundled zoo only
         return zoo
     sizes = {"seq": 64, "vocab": 1024, "hidden": 128}
     zoo.append(("transformers gpt2", lambda: _client(clients.gpt2(optax.adam(1e-3), 16, **sizes))))

@@ -55,7 +55,7 @@ def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
     if node.primitive in _CONTRACTIONS:
         return cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
     avals = node.out_avals or node.in_avals
-    return cluster.peak_flops(avals[0].dtype) if avals else cluster.fp32_flops or 1.0
+    return cluster.peak_flops(avals[0].dtype) if avals else cluster.device_flops  # no FLOPs
 
 
 class Roofline:

@@ -112,29 +112,22 @@ def gpt2(
     return ClientStep("gpt2", _hf_lm_step(model, _causal_lm_loss), (state, batch))
 
 
-def llama(
-    tx: optax.GradientTransformation,
-    batch_size: int,
-    *,
-    seq: int = SEQ,
-    vocab: int = VOCAB,
-    hidden: int = 32,
-) -> ClientStep:
+def llama(tx: optax.GradientTransformation, batch_size: int) -> ClientStep:
     """transformers' FlaxLlamaForCausalLM: its rotary sin/cos table is computed with numpy."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=max(64, seq),
+        max_position_embeddings=64,
     )
-    model = FlaxLlamaForCausalLM(config, input_shape=(1, seq), seed=0)
+    model = FlaxLlamaForCausalLM(config, input_shape=(1, SEQ), seed=0)
     state = _hf_state(model, tx)
-    batch = {"input_ids": _tokens(batch_size, seq=seq, vocab=vocab)}
+    batch = {"input_ids": _tokens(batch_size)}
     return ClientStep("llama", _hf_lm_step(model, _causal_lm_loss), (state, batch))
 
 

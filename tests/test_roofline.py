@@ -19,6 +19,15 @@ V100 = ClusterSpec.preset("8xV100-p3")
 A100 = ClusterSpec.preset("8xA100-80G")
 F32 = np.dtype("float32")
 
+_ROOFLINE_FIELDS = (
+    "memory_bandwidth",
+    "fp32_flops",
+    "tf32_flops",
+    "compute_efficiency",
+    "memory_efficiency",
+    "kernel_overhead_s",
+)
+
 
 def test_op_time_is_the_slower_of_compute_and_memory():
     spec = dataclasses.replace(V100, compute_efficiency=0.5, memory_efficiency=0.5)
@@ -63,16 +72,6 @@ def test_spec_without_roofline_fields_loads_with_flop_only_defaults(tmp_path):
     assert spec.memory_bandwidth is None and spec.kernel_overhead_s == 0.0
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert ClusterSpec.from_dict(V100.to_dict()) == V100
-
-
-_ROOFLINE_FIELDS = (
-    "memory_bandwidth",
-    "fp32_flops",
-    "tf32_flops",
-    "compute_efficiency",
-    "memory_efficiency",
-    "kernel_overhead_s",
-)
 
 
 def test_element_wise_chain_reads_and_writes_once():
