@@ -44,9 +44,9 @@ from autopar.tracing import (
     abstract_value,
     argument_names,
     check_batch_leaves,
-    is_traced_leaf,
     resolve_argnums,
     trace_step,
+    traced_leaves,
 )
 
 logger = logging.getLogger(__name__)
@@ -293,8 +293,9 @@ def _unhashable(names: Sequence[str], args: Sequence[Any], static: tuple[int, ..
     """The path of the first static argument or static leaf that cannot be hashed."""
     for i, arg in enumerate(args):
         pairs = [((), arg)] if i in static else jax.tree_util.tree_flatten_with_path(arg)[0]
-        for path, x in pairs:
-            if i not in static and is_traced_leaf(x):
+        traced = [False] if i in static else traced_leaves(arg)
+        for (path, x), is_traced in zip(pairs, traced, strict=True):
+            if is_traced:
                 continue
             try:
                 hash(x)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -149,10 +150,28 @@ def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
-def _differentiable(x: Any) -> bool:
-    """Whether `value_and_grad` differentiates a leaf: float arrays and Python floats."""
+def held_by_module(tree: Any) -> list[bool]:
+    """For each leaf of `tree`, whether an equinox Module holds it. equinox's rule
+    (`eqx.is_array`) is that a Module's Python numbers are hyperparameters (a dropout rate, a
+    norm's epsilon): static under `eqx.filter_jit`, not differentiated by `eqx.filter_grad`, and
+    absent from an optimizer state built with `eqx.filter(model, eqx.is_inexact_array)`."""
+    equinox = sys.modules.get("equinox")  # a Module exists only where equinox was imported
+    if equinox is None:
+        return [False] * len(jax.tree_util.tree_leaves(tree))
+    held: list[bool] = []
+    for top in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, equinox.Module)):
+        if isinstance(top, equinox.Module):
+            held += [True] * len(jax.tree_util.tree_leaves(top))
+        else:
+            held.append(False)
+    return held
+
+
+def _differentiable(x: Any, in_module: bool) -> bool:
+    """Whether `value_and_grad` differentiates a leaf: float arrays, and Python floats but those
+    of an equinox Module (`held_by_module`)."""
     if isinstance(x, float):
-        return True
+        return not in_module
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.numpy.inexact)
 
@@ -175,7 +194,10 @@ def value_and_grad(
         state = _TRACE_STATE.get() or _TraceState()
         first_index = state.next_param_index
         trees = [jax.tree_util.tree_flatten(args[num]) for num in nums]
-        masks = [[_differentiable(x) for x in leaves] for leaves, _ in trees]
+        masks = [
+            [_differentiable(x, m) for x, m in zip(leaves, held_by_module(args[num]), strict=True)]
+            for num, (leaves, _) in zip(nums, trees, strict=True)
+        ]
         diff_leaves = [
             [x for x, d in zip(leaves, mask, strict=True) if d]
             for (leaves, _), mask in zip(trees, masks, strict=True)

@@ -21,7 +21,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from autopar._jax_compat import source_scope
 from autopar.layering import layered
-from autopar.markers import tracing_scope
+from autopar.markers import held_by_module, tracing_scope
 from autopar.options import LayerOption
 from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.graph import (
@@ -46,18 +46,27 @@ _TRACER_ERRORS = (
 )
 
 
-def is_traced_leaf(x: Any) -> bool:
-    """Whether a pytree leaf is traced (an array, or a Python number, traced weakly typed).
-    Other leaves (an equinox Module's functions and flags, strings) are static, as
-    `eqx.filter_jit` has them: part of the program, not inputs of it."""
-    if isinstance(x, bool):
-        return False
-    return _is_array_like(x) or isinstance(x, int | float | complex)
+def traced_leaves(tree: Any) -> list[bool]:
+    """For each leaf of `tree`, whether it is traced: an array, or a Python number (traced
+    weakly typed, as `jax.jit` has a flax TrainState's step) unless an equinox Module holds it.
+    Other leaves (an equinox Module's functions, flags and numbers, strings) are static, as
+    `eqx.filter_jit` has them: part of the program, not inputs of it. (Traced, a Module's
+    dropout rate would turn into an array the step differentiates and returns, unlike the
+    optimizer state the user built beside the Module.)"""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return [_traced(x, m) for x, m in zip(leaves, held_by_module(tree), strict=True)]
+
+
+def _traced(x: Any, in_module: bool) -> bool:
+    if _is_array_like(x):
+        return True
+    number = isinstance(x, int | float | complex) and not isinstance(x, bool)
+    return number and not in_module
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayTree:
-    """A pytree's structure with its static leaves held aside (see `is_traced_leaf`):
+    """A pytree's structure with its static leaves held aside (see `traced_leaves`):
     `flatten` gives the traced leaves, `unflatten` puts the static ones back."""
 
     treedef: Any
@@ -66,7 +75,8 @@ class ArrayTree:
     @classmethod
     def of(cls, tree: Any) -> ArrayTree:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        statics = tuple((i, x) for i, x in enumerate(leaves) if not is_traced_leaf(x))
+        traced = traced_leaves(tree)
+        statics = tuple((i, x) for i, x in enumerate(leaves) if not traced[i])
         return cls(treedef, statics)
 
     @property
@@ -179,9 +189,7 @@ def resolve_argnums(
     batch = _check_argnums("batch_argnums", batch_argnums, n)
     if static_argnums == "auto":
         static = tuple(
-            i
-            for i, a in enumerate(args)
-            if i not in batch and not any(map(is_traced_leaf, jax.tree_util.tree_leaves(a)))
+            i for i, a in enumerate(args) if i not in batch and not any(traced_leaves(a))
         )
     else:
         static = _check_argnums("static_argnums", static_argnums, n)
@@ -297,8 +305,11 @@ def trace_step(
     dynamic = [i for i in range(len(args)) if i not in static_argnums]
     dyn_args = tuple(args[i] for i in dynamic)
     in_tree = ArrayTree.of(dyn_args)
+    static = {i for i, _ in in_tree.statics}
     leaves_with_paths = [
-        (p, x) for p, x in jax.tree_util.tree_flatten_with_path(dyn_args)[0] if is_traced_leaf(x)
+        leaf
+        for i, leaf in enumerate(jax.tree_util.tree_flatten_with_path(dyn_args)[0])
+        if i not in static
     ]
     batch_leaf = [dynamic[p[0].idx] in batch_argnums for p, _ in leaves_with_paths]
     in_avals = [

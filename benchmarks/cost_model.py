@@ -5,7 +5,9 @@ would not be honest): `autopar.profile_cluster()` measures the device, then for 
 zoo the plan that `autopar.parallelize` makes with default options is asked for its predicted
 step time and the same compiled step is timed (median of `STEPS` steps after a warm-up). The
 zoo: the bundled MLP at a small-batch/wide and a large-batch/narrow shape, GPT, MoE and
-Wide-ResNet, and transformers' Flax GPT-2 where installed.
+Wide-ResNet, and where installed the client models of `tests/clients.py`: transformers' Flax GPT-2
+and Llama (its tiny config), and an equinox transformer (its Module and optimizer state carried
+from step to step; the batch is the last argument of every step).
 Reported: predicted, measured, their ratio per model, and Kendall's τ between the two orders.
 
 Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
@@ -73,8 +75,12 @@ def _zoo():
     except ImportError:  # transformers not installed: the bundled zoo only
         return zoo
     sizes = {"seq": 64, "vocab": 1024, "hidden": 128}
-    zoo.append(("transformers gpt2", lambda: _client(clients.gpt2(optax.adam(1e-3), 16, **sizes))))
-    return zoo
+    tx = optax.adam(1e-3)
+    return zoo + [
+        ("transformers gpt2", lambda: _client(clients.gpt2(tx, 16, **sizes))),
+        ("transformers llama", lambda: _client(clients.llama(tx, 16))),
+        ("equinox transformer", lambda: _client(clients.equinox_transformer(tx, 16))),
+    ]
 
 
 def _client(client):
@@ -130,7 +136,7 @@ def truth_table(spec) -> list[Row]:
     try:
         for name, build in _zoo():
             step, args = build()
-            parallel = autopar.parallelize(step)
+            parallel = autopar.parallelize(step, batch_argnums=(len(args) - 1,))
             predicted = parallel.get_plan(*args).predicted
             measured = _time_steps(parallel, args)
             rows.append(
@@ -234,6 +240,9 @@ def _write(spec, profile, rows, tau, coll) -> None:
         f"| matmul bf16 | {spec.device_flops / 1e9:.1f} GFLOP/s |",
         f"| memory bandwidth | {spec.memory_bandwidth / 1e9:.2f} GB/s |",
         f"| kernel floor | {spec.kernel_overhead_s * 1e6:.2f} µs |",
+        f"| transcendentals (exp) | {spec.transcendental_rate / 1e9:.2f} Gelement/s |",
+        f"| convolution (3x3, 64 channels) | {spec.conv_flops / 1e9:.1f} GFLOP/s |",
+        f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
         "",
         "| model | predicted | measured | predicted / measured |",
         "|---|---:|---:|---:|",

@@ -286,11 +286,11 @@ def price_layout(
     went. A `PlanningError` other than "over budget" or "no plan at all" propagates."""
     problem = ShardingProblem(program, mesh, cluster, config, num_micro_batches)
     budget = config.budget(cluster)
-    plan = problem.solve(budget)
-    if plan is not None:
-        return LayoutResult(name, LayoutStatus.OK, plan.predicted, plan=plan)
     try:
-        least = problem.ilp.least_memory()
+        plan = problem.solve(budget)
+        if plan is not None:
+            return LayoutResult(name, LayoutStatus.OK, plan.predicted, plan=plan)
+        least = problem.least_memory()
     except InfeasibleError as e:
         return LayoutResult(name, LayoutStatus.INFEASIBLE, message=str(e))
     message = str(problem.over_budget(budget, least))

@@ -7,9 +7,14 @@ axis 1 stays inside one. Units: FLOP/s, bytes, bytes/s, seconds.
 Compute is priced per op as a roofline (`autopar.planner.cost.op_time`): the op's FLOPs at the
 peak for its dtype (`peak_flops`: 16-bit, TF32 or fp32) times `compute_efficiency`, against the
 bytes it moves at `memory_bandwidth` times `memory_efficiency`, plus `kernel_overhead_s` per
-kernel. The fields after `platform` have defaults that reproduce the FLOP-only model older plan
-files were priced with (memory bandwidth unknown, so memory-bound work is free): the presets and
-`autopar.profile_cluster()` give real figures.
+kernel. Three op classes run at rates of their own where a spec gives them (achieved rates, which
+the efficiencies do not scale): element-wise transcendentals (`exp`, `tanh`, ...) at
+`transcendental_rate` elements/s, convolutions at `conv_flops`, and transposes that move the minor
+(contiguous) dimension at `transpose_bandwidth`. The fields after `platform` have defaults that
+reproduce the FLOP-only model older plan files were priced with (memory bandwidth unknown, so
+memory-bound work is free; transcendentals one FLOP per element, convolutions at the matmul peak,
+transposes folded into their readers): the presets and `autopar.profile_cluster()` give real
+figures.
 
 Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
 `autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
@@ -32,7 +37,14 @@ _INT_FIELDS = ("num_hosts", "devices_per_host")
 PLATFORMS = ("gpu", "cpu")
 _POSITIVE_FIELDS = ("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth")
 _NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency", "kernel_overhead_s")
-_OPTIONAL_POSITIVE_FIELDS = ("memory_bandwidth", "fp32_flops", "tf32_flops")
+_OPTIONAL_POSITIVE_FIELDS = (
+    "memory_bandwidth",
+    "fp32_flops",
+    "tf32_flops",
+    "transcendental_rate",
+    "conv_flops",
+    "transpose_bandwidth",
+)
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 _SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
@@ -57,6 +69,9 @@ class ClusterSpec:
     compute_efficiency: float = 1.0  # share of the peak a large matmul reaches
     memory_efficiency: float = 1.0  # share of memory_bandwidth a streaming kernel reaches
     kernel_overhead_s: float = 0.0  # launch floor of every kernel
+    transcendental_rate: float | None = None  # elements/s of exp & co.; None: 1 FLOP each
+    conv_flops: float | None = None  # FLOP/s of a convolution; None: the matmul peak
+    transpose_bandwidth: float | None = None  # bytes/s moving the minor dim; None: folded, free
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:

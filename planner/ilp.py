@@ -327,6 +327,10 @@ class IntraOpIlp:
 
     def least_memory(self) -> float:
         """The least peak memory per device over all choices (bytes), ignoring step time."""
+        return float(self.memory.evaluate(self.least_memory_choices()).max())
+
+    def least_memory_choices(self) -> np.ndarray:
+        """The choices (per class) of least peak memory per device, ignoring step time."""
         prob, s = self._base_problem("autopar_least_memory")
         peak = pulp.LpVariable("peak_mib", lowBound=0)
         prob += peak
@@ -340,4 +344,4 @@ class IntraOpIlp:
         )
         if result is None:
             raise InfeasibleError("the sharding ILP has no solution even without a memory budget")
-        return float(self.memory.evaluate(result[0]).max())
+        return result[0]

@@ -9,7 +9,9 @@ reduce-scattered or, with micro-batches, reduced once per step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +51,7 @@ from autopar.planner.ilp import (
     IntraOpIlp,
     MemoryModel,
 )
-from autopar.planner.memory import Liveness, liveness, value_aval
+from autopar.planner.memory import Liveness, held_values, liveness, value_aval
 from autopar.planner.menus import Costs, Edge, MenuBuilder
 from autopar.planner.plan import (
     MeshPlan,
@@ -63,7 +65,7 @@ from autopar.planner.plan import (
 )
 from autopar.planner.program import Program, StepSignature
 from autopar.planner.roofline import Roofline
-from autopar.planner.strategy import Strategy, split_size, storage_specs
+from autopar.planner.strategy import Strategy, split_size, storage_specs, without_axes
 from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ _BUDGET_CORRECTIONS = 3  # re-solves when resharded copies take a plan over its 
 _STORAGE_TIE_BREAK = 1e-3
 TOP_OP_GROUPS = 8  # classes of op groups a stage plan lists in `op_costs`
 _GRADIENT_PASS_THROUGH = ("convert_element_type", "copy", "transpose", "reshape", "add_any")
+# Ops whose result on each device's operand blocks is that device's partial sum: the plan lowers
+# their reduce-scatters explicitly, so every backend emits one (GSPMD leaves an all-reduce and a
+# slice where no pass turns them into a reduce-scatter, as on the CPU backend).
+_EXPLICIT_SUMS = (*SUM_PRIMITIVES, "conv_general_dilated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,16 +301,37 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
     return buffers
 
 
+@dataclasses.dataclass(frozen=True)
+class Stash:
+    """A pipeline stage's activations held by its other micro-batches in flight: the results of
+    its program's first `num_forward` top-level eqns (the forward part) that later eqns read,
+    `copies` times (the micro-batches in flight besides the one the program runs). The ILP
+    counts them at every step, so it trades them against the rest of the stage's memory."""
+
+    num_forward: int
+    copies: int
+
+    def __post_init__(self) -> None:
+        if self.num_forward < 0 or self.copies < 0:
+            raise ValueError(f"Stash needs counts >= 0, got {self}")
+
+
 class _Memory:
     """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`."""
 
-    def __init__(self, problem: _Problem) -> None:
+    def __init__(self, problem: _Problem, stash: Stash | None) -> None:
         self.problem = problem
         groups = problem.grouping.groups
         self.cls = np.array([g.cls for g in groups])
         inputs = [_value_bytes(problem, input_value(g.leader)) for g in groups if g.is_input]
         self.input_sizes = {g: sizes for g, _, sizes in inputs}
         self.always = inputs + [_value_bytes(problem, v) for v in problem.live.outputs]
+        if stash is not None and stash.copies:
+            held = held_values(problem.grouping, stash.num_forward)
+            self.always += [
+                (g, lv, stash.copies * sizes)
+                for g, lv, sizes in (_value_bytes(problem, v) for v in held)
+            ]
         self.temps = [
             (*_value_bytes(problem, value), start, end)
             for value, start, end in problem.live.temporaries
@@ -404,7 +431,9 @@ def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuil
 
 class ShardingProblem:
     """One program on one mesh with its menus, costs and ILP built once: `solve` plans it for a
-    memory budget, and solving again under a tighter budget reuses the ILP's memory cuts."""
+    memory budget, and solving again under a tighter budget reuses the ILP's memory cuts.
+    `stash`: a pipeline stage's activations held by its other micro-batches in flight, counted
+    in every memory figure (the ILP's, the plan's prediction, the least memory)."""
 
     def __init__(
         self,
@@ -413,6 +442,7 @@ class ShardingProblem:
         cluster: ClusterSpec,
         config: IntraOpConfig,
         num_micro_batches: int,
+        stash: Stash | None = None,
     ) -> None:
         start = time.perf_counter()
         self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
@@ -420,7 +450,7 @@ class ShardingProblem:
         self.reduce_scatter_once = config.reduce_gradients_once and num_micro_batches > 1
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
         self.problem = _build(program, mesh, cluster, config, num_micro_batches)
-        self.memory = _Memory(self.problem)
+        self.memory = _Memory(self.problem, stash)
         num_choices, costs, self.edges = _class_inputs(
             self.problem, self.memory.input_sizes, max(mesh.bandwidths)
         )
@@ -433,6 +463,7 @@ class ShardingProblem:
             time_limit_s=config.time_limit_s,
             relative_gap=config.relative_gap,
         )
+        self._least: tuple[np.ndarray, StagePlan, Predicted] | None = None
         self.build_seconds = time.perf_counter() - start
 
     def solve(self, budget: float) -> Plan | None:
@@ -443,7 +474,11 @@ class ShardingProblem:
         for _ in range(1 + _BUDGET_CORRECTIONS):
             solution = self.ilp.solve(target)
             if solution is None:
-                return None
+                if target == budget:
+                    # The ILP's memory is a lower bound of the emitted plan's (which adds
+                    # resharded copies): nothing fits, the least-memory plan included.
+                    return None
+                break
             choice = solution.choices[self.memory.cls]
             stage, predicted = _emit(program, problem, self.mesh_plan, self.memory, choice)
             excess = predicted.memory_per_device_bytes - budget
@@ -451,28 +486,33 @@ class ShardingProblem:
                 break
             # The ILP does not see resharded copies (gathered parameters): ask it for less.
             target -= excess
-        else:
-            return None
+        if solution is None or excess > 0:
+            # The corrections ran out, or asked the ILP for less than it can do: the plan of
+            # least memory is the answer where it fits, so None means nothing fits.
+            choice, stage, predicted = self._least_memory_plan()
+            if predicted.memory_per_device_bytes > budget:
+                return None
+            solution = None
         if self.reduce_scatter_once:
             stage, predicted = self._scatter_once(choice, budget, stage, predicted)
         elapsed = self.build_seconds + time.perf_counter() - start
         self.build_seconds = 0.0  # counted in the first plan only
         logger.info(
-            "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s "
-            "(%d rounds)",
+            "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s",
             len(program.graph),
             len(problem.grouping.groups),
             problem.num_classes,
             len(self.edges),
-            solution.seconds,
-            solution.rounds,
+            time.perf_counter() - start,
         )
         logger.debug("shard_parallel plan made in %.2f s (ILP built and solved)", elapsed)
         # Timings stay out of the plan: the same program and options give the same plan.
-        note = (
-            f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
-            f"{'optimal' if solution.optimal else 'time limit hit, best found'}"
-        )
+        if solution is None:
+            outcome = "the least-memory plan (the faster ones' resharded copies do not fit)"
+        else:
+            outcome = "optimal" if solution.optimal else "time limit hit, best found"
+        note = f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
+        note += outcome
         sig = program.signature
         return Plan(
             method="shard_parallel",
@@ -509,10 +549,31 @@ class ShardingProblem:
         )
         return found if found[1].memory_per_device_bytes <= budget else (stage, predicted)
 
+    def _least_memory_plan(self) -> tuple[np.ndarray, StagePlan, Predicted]:
+        """The choices (per group) of least memory as emitted, and their plan: of the ILP's
+        least-memory choices and the fastest plan within that memory (many choices tie on the
+        ILP's memory; their resharded copies, which it does not see, differ)."""
+        if self._least is None:
+            least = self.ilp.least_memory_choices()
+            candidates = [least]
+            with contextlib.suppress(MemoryBudgetError):
+                fastest = self.ilp.solve(float(self.memory.evaluate(least).max()))
+                if fastest is not None:
+                    candidates.append(fastest.choices)
+            emit = functools.partial(_emit, self.program, self.problem, self.mesh_plan)
+            plans = [(c, *emit(self.memory, c)) for c in (x[self.memory.cls] for x in candidates)]
+            self._least = min(plans, key=lambda p: p[2].memory_per_device_bytes)
+        return self._least
+
+    def least_memory(self) -> float:
+        """The least memory per device any plan of this problem needs, as emitted: what the ILP
+        finds least, with the resharded copies it does not see."""
+        return self._least_memory_plan()[2].memory_per_device_bytes
+
     def over_budget(self, budget: float, least: float | None = None) -> MemoryBudgetError:
         """The error for a budget nothing fits in, with the least memory that would fit
-        (`least`, or found by the ILP)."""
-        least = self.ilp.least_memory() if least is None else least
+        (`least`, or `least_memory()`)."""
+        least = self.least_memory() if least is None else least
         return MemoryBudgetError(
             f"no sharding plan fits the memory budget of {format_bytes(budget)} per device; the "
             f"least memory per device that would fit is about {format_bytes(least)} (set "
@@ -538,11 +599,6 @@ def plan_shard_parallel(
     return plan
 
 
-def _without(spec: Spec, axes: tuple[str, ...]) -> Spec:
-    """`spec` with `axes` taken out of every dim (what the other axes split)."""
-    return tuple(tuple(a for a in e if a not in axes) or None if e else None for e in spec)
-
-
 def _chosen_strategies(problem: _Problem, choice: np.ndarray) -> dict[str, Strategy]:
     """Each planned node's strategy under the groups' `choice`."""
     chosen = {}
@@ -559,7 +615,7 @@ def _whole_accumulator_bytes(
     step (into `spec`) instead of per micro-batch."""
     aval = problem.grouping.graph.node(chain.boundary).in_avals[chain.position]
     builder = problem.builder
-    whole = builder.spec_bytes(aval.shape, aval.dtype.itemsize, _without(spec, axes))
+    whole = builder.spec_bytes(aval.shape, aval.dtype.itemsize, without_axes(spec, axes))
     return whole - builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
 
 
@@ -657,8 +713,8 @@ def _emit(
     # Values that are each device's unreduced partial sums until the end of the step.
     once_chains = [c for c in problem.chains if set(c.sums) <= once]
     unreduced = {n: chosen[c.sums[0]].partial_axes for c in once_chains for n in c.nodes}
-    # The prediction replays the plan: XLA reshards a value to a spec once for all its readers,
-    # except at parameter uses.
+    # The prediction replays the plan: XLA reshards a value to a spec once for all its readers
+    # in one remat region, except at parameter uses.
     totals = Costs.zeros(())
     by_class: dict[int, list[float]] = {}  # class -> [compute, communication] seconds
     flops = 0.0
@@ -690,15 +746,19 @@ def _emit(
                 or need == have
                 or (
                     value[0] in unreduced  # unreduced, only the other axes' layout counts
-                    and _without(have, unreduced[value[0]]) == _without(need, unreduced[value[0]])
+                    and without_axes(have, unreduced[value[0]])
+                    == without_axes(need, unreduced[value[0]])
                 )
             ):
                 needs.append(None)
                 continue
             needs.append(need)
             aval = node.in_avals[pos]
+            # A checkpointed region is recomputed behind an optimization barrier, so XLA does not
+            # CSE the reshards inside it with those outside: the backward pass reshards a forward
+            # value again (e.g. an MoE's dispatched tokens for its expert weights' gradients).
             # A parameter use gathers on its own (a regather inside remat is not CSE'd away).
-            key = node.id if node.id in aliases else (value, need)
+            key = node.id if node.id in aliases else (value, need, node.remat_region)
             seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
             if key not in resharded:
                 resharded.add(key)
@@ -723,7 +783,7 @@ def _emit(
             node_inputs[node.id] = tuple(needs)
         if (
             (s.reduce_scatters or s.accumulated)
-            and node.primitive in SUM_PRIMITIVES
+            and node.primitive in _EXPLICIT_SUMS
             and split_size(builder.mesh, s.partial_axes) > 1  # over size-1 axes: nothing to sum
         ):
             partial_sums[node.id] = PartialSumLowering(

@@ -250,3 +250,23 @@ def value_aval(grouping: Grouping, value: Value) -> TensorInfo:
     if node is None:
         return grouping.graph.inputs[i]
     return grouping.graph.node(node).out_avals[i]
+
+
+def held_values(grouping: Grouping, num_forward: int) -> list[Value]:
+    """Results of the first `num_forward` top-level eqns (a pipeline stage's forward part) that
+    a later eqn reads: each micro-batch keeps them from its forward to its backward, so a stage
+    with several micro-batches in flight holds one copy per micro-batch."""
+    held: dict[Value, None] = {}
+    for node in grouping.planned_nodes():
+        if _top(node.id) < num_forward:
+            continue
+        for ref in node.inputs:
+            value = grouping.value_of(ref)
+            if value is not None and value[0] is not None and _top(value[0]) < num_forward:
+                held[value] = None
+    return list(held)
+
+
+def _top(node_id: str) -> int:
+    """The top-level eqn a node comes from (ids are eqn paths, `graph`)."""
+    return int(node_id.split("/")[0])

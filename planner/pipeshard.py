@@ -13,9 +13,9 @@
    transfers between stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
    per stage, the fastest alternative that fits with its micro-batches in flight.
-4. Each chosen stage is planned as a whole by the ILP on its logical mesh, within the memory its
-   in-flight activations leave; the plan's predicted step time is Σ t + (B−1)·max t over those
-   stage plans.
+4. Each chosen stage is planned as a whole by the ILP on its logical mesh, within device memory,
+   counting the activations its other micro-batches in flight keep (`intra.Stash`); the plan's
+   predicted step time is Σ t + (B−1)·max t over those stage plans.
 """
 
 from __future__ import annotations
@@ -30,16 +30,18 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from jax.extend.core import Var
-
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh, spec_bytes_per_device
-from autopar.planner.errors import PlanningError
+from autopar.planner.errors import MemoryBudgetError, PlanningError
+from autopar.planner.gradients import gradient_chains
+from autopar.planner.groups import group_graph
 from autopar.planner.intra import (
     IntraOpConfig,
     ShardingProblem,
+    Stash,
     program_structure,
 )
+from autopar.planner.memory import held_values
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
@@ -61,7 +63,7 @@ from autopar.planner.stages import (
     submesh_shapes,
     uniform_stages,
 )
-from autopar.planner.summary import format_bytes
+from autopar.planner.strategy import without_axes
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,6 @@ MAX_ALTERNATIVES = 3
 # are then planned exactly): a MIP proves the last fraction of a percent slowly, and the cost
 # model is not that precise.
 CANDIDATE_GAP = 0.01
-_STASH_CORRECTIONS = 3  # re-plans of a chosen stage whose stash outgrows the DP's estimate
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -101,37 +102,48 @@ def stage_intra_config(
     return dataclasses.replace(config.intra, force_batch_dim_to_mesh_dim=0)
 
 
+def _spec_bytes(aval, spec: tuple | None, mesh: LogicalMesh) -> float:
+    spec = spec or (None,) * len(aval.shape)
+    return spec_bytes_per_device(aval.shape, aval.dtype.itemsize, spec, mesh)
+
+
 def stash_bytes(stage: StageProgram, plan: StagePlan) -> float:
-    """Per-device bytes the forward part keeps for the backward part, per micro-batch."""
-    eqns = stage.closed.jaxpr.eqns
-    spec_of: dict[Var, tuple] = {}
-    for i in range(stage.num_forward):
-        specs = plan.node_output_specs.get(str(i), ())
-        for k, v in enumerate(eqns[i].outvars):
-            spec_of[v] = specs[k] if k < len(specs) and specs[k] is not None else None
-    later = [v for _, e in (*stage.part("backward"), *stage.part("apply")) for v in e.invars]
-    later += list(stage.grads)
+    """Per-device bytes the forward part keeps for the backward part, per micro-batch: the
+    values the ILP counts once per micro-batch in flight (`intra.Stash`)."""
+    graph = stage.program.graph
     mesh = logical_mesh_of(plan.mesh)
     total = 0.0
-    for v in dict.fromkeys(x for x in later if isinstance(x, Var) and x in spec_of):
-        spec = spec_of[v] or (None,) * len(v.aval.shape)
-        total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+    for node, k in held_values(group_graph(graph), stage.num_forward):
+        specs = plan.node_output_specs.get(node, ())
+        spec = specs[k] if k < len(specs) else None
+        total += _spec_bytes(graph.node(node).out_avals[k], spec, mesh)
     return total
 
 
 def state_bytes(stage: StageProgram, plan: StagePlan) -> float:
     """Per-device bytes that live through the whole step: the state the stage reads (parameters,
-    optimizer state) as stored, plus its gradient accumulators."""
+    optimizer state) as stored, plus its gradient accumulators (whole where a gradient stored
+    split waits for the last micro-batch to be reduce-scattered, `intra._scatter_once`)."""
     mesh = logical_mesh_of(plan.mesh)
     invars = stage.closed.jaxpr.invars
     total = 0.0
     for v, spec in zip(invars, plan.input_specs, strict=True):
         if v not in stage.per_micro_batch_inputs:
-            total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+            total += _spec_bytes(v.aval, spec, mesh)
     accumulated = plan.node_output_specs.get(str(stage.boundary_index), ())
     for v, spec in zip(stage.means, accumulated, strict=False):
-        spec = spec or (None,) * len(v.aval.shape)
-        total += spec_bytes_per_device(v.aval.shape, v.aval.dtype.itemsize, spec, mesh)
+        total += _spec_bytes(v.aval, spec, mesh)
+    graph = stage.program.graph
+    for chain in gradient_chains(graph):
+        lowering = plan.partial_sums.get(chain.sums[0]) if chain.sums else None
+        if lowering is None or not lowering.once_per_step:
+            continue
+        aval = graph.node(chain.boundary).in_avals[chain.position]
+        specs = plan.node_output_specs.get(chain.boundary, ())
+        spec = specs[chain.position] if chain.position < len(specs) else None
+        spec = spec or (None,) * len(aval.shape)
+        whole = without_axes(spec, lowering.partial_axes)
+        total += _spec_bytes(aval, whole, mesh) - _spec_bytes(aval, spec, mesh)
     return total
 
 
@@ -274,11 +286,7 @@ class LayerCosts:
         key = (self._structures[layer], kind, intra.force_batch_dim_to_mesh_dim)
         if key not in self._plans:
             k = self.config.num_micro_batches
-            # Layers are priced with gradients reduced per micro-batch, as the stage search's
-            # memory ladder needs (README); each chosen stage's plan reduces them once per step.
-            intra = dataclasses.replace(
-                intra, relative_gap=CANDIDATE_GAP, reduce_gradients_once=False
-            )
+            intra = dataclasses.replace(intra, relative_gap=CANDIDATE_GAP)
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
             self._plans[key] = _LayerPlans(stage, build, [], self.device_memory)
         return self._plans[key]
@@ -318,10 +326,10 @@ class LayerCosts:
     ) -> tuple[StageCost, ...]:
         """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
         one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
-        fastest = [self.layer_costs(layer, logical, 1) for layer in range(start, end)]
-        if not all(fastest):
+        found = self.fastest(start, end, submesh, logical)
+        if not found:
             return ()
-        first = _stage_cost(fastest, 0)
+        (first,) = found
         most_in_flight = 1 + self.parts.num_layers - end
         if first.static_memory_bytes + most_in_flight * first.activation_memory_bytes <= (
             self.device_memory
@@ -331,6 +339,13 @@ class LayerCosts:
             return (first,)  # even at its fastest, a plan with this stage is no better
         layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
         return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
+
+    def fastest(
+        self, start: int, end: int, submesh: tuple, logical: tuple
+    ) -> tuple[StageCost, ...]:
+        """A cost_fn of stages at their layers' fastest plans only (never squeezed)."""
+        fastest = [self.layer_costs(layer, logical, 1) for layer in range(start, end)]
+        return (_stage_cost(fastest, 0),) if all(fastest) else ()
 
 
 def _stage_cost(layers: list[tuple[LayerCost, ...]], level: int) -> StageCost:
@@ -361,9 +376,10 @@ def _solve(
     if isinstance(option, UniformStageOption):
         return uniform_stages(*args, option)
     if isinstance(cost_fn, LayerCosts):
-        # The DP asks for every layer on every candidate mesh; and stages within a host (fast
-        # links, cheap ILPs) give a plan whose step time bounds which other stages are worth
-        # squeezing into memory.
+        # The DP asks for every layer on every candidate mesh. Plans found without squeezed
+        # alternatives bound which stages are worth squeezing into memory: first the best
+        # with every stage at its fastest (all planned by now), then the best with stages
+        # within a host (fast links, cheap ILPs), squeezed as that bound allows.
         cost_fn.prefetch(
             logical
             for submesh in submesh_shapes(*cluster_shape, option.submesh_physical_shape_space)
@@ -371,21 +387,24 @@ def _solve(
                 submesh, option.submesh_logical_shape_space, cluster_shape[1]
             )
         )
+        cost_fn.step_bound_s = _best_step(args, option, cost_fn.fastest)
         if cluster_shape[0] > 1:
-            cost_fn.step_bound_s = _step_within_hosts(args, option)
+            within_host = functools.partial(_within_host, cost_fn)
+            cost_fn.step_bound_s = min(cost_fn.step_bound_s, _best_step(args, option, within_host))
     return solve_stages(*args, option)
 
 
-def _step_within_hosts(args: tuple, option) -> float:
-    """The step time of the best plan whose stages each fit in one host (inf: none)."""
-    num_layers, num_hosts, devices_per_host, num_micro_batches, cost_fn, memory = args
+def _within_host(cost_fn: CostFn, start: int, end: int, submesh: tuple, logical: tuple):
+    """`cost_fn` of stages on one host's devices; None for the others."""
+    return cost_fn(start, end, submesh, logical) if submesh[0] == 1 else None
 
-    def within_host(start: int, end: int, submesh: tuple, logical: tuple):
-        return cost_fn(start, end, submesh, logical) if submesh[0] == 1 else None
 
+def _best_step(args: tuple, option, cost_fn: CostFn) -> float:
+    """The step time of the best plan under `cost_fn` instead of args' (inf: none fits)."""
+    num_layers, num_hosts, devices_per_host, num_micro_batches, _, memory = args
     try:
         solution = solve_stages(
-            num_layers, num_hosts, devices_per_host, num_micro_batches, within_host, memory, option
+            num_layers, num_hosts, devices_per_host, num_micro_batches, cost_fn, memory, option
         )
     except PlanningError:
         return math.inf
@@ -399,44 +418,28 @@ def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int
     return min(num_micro_batches, num_stages - stage)
 
 
-def _stage_peak(stage: StageProgram, plan: Plan, flight: int) -> float:
-    """Per-device peak of a stage plan with `flight` micro-batches of activations stashed."""
-    return plan.predicted.memory_per_device_bytes + (flight - 1) * stash_bytes(
-        stage, plan.stages[0]
-    )
-
-
-def _plan_alike_stages(
-    job: tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]],
+def _plan_stage(
+    job: tuple[StageProgram, MeshPlan, IntraOpConfig, int],
     cluster: ClusterSpec,
     num_micro_batches: int,
     memory: float,
-) -> dict[float, Plan]:
-    """Identical stages on equal meshes, by (memory budget, micro-batches in flight): planned
-    once for the largest budget, and again only where that plan does not fit a smaller one
-    (where it fits, it is also the best). Where a plan's own stash of activations outgrows the
-    DP's estimate that set the budget, it is planned again with the excess taken off."""
-    stage, mesh, intra, requests = job
-    problem = ShardingProblem(stage.program, mesh, cluster, intra, num_micro_batches)
-    found, plan = {}, None
-    for budget, flight in sorted(set(requests), reverse=True):
-        limit = budget
-        for _ in range(_STASH_CORRECTIONS + 1):
-            if plan is not None and _stage_peak(stage, plan, flight) <= memory:
-                break
-            if plan is not None and plan.predicted.memory_per_device_bytes <= limit:
-                limit -= _stage_peak(stage, plan, flight) - memory
-            plan = problem.solve(limit)
-            if plan is None:
-                raise problem.over_budget(limit)
-        else:
-            raise PlanningError(
-                f"stage of layers {stage.layers} on mesh {mesh.shape}: no plan found keeps its "
-                f"{flight} micro-batches of activations in flight within "
-                f"{format_bytes(memory)} per device; use more micro-batches or devices"
-            )
-        found[budget] = plan
-    return found
+) -> Plan:
+    """A chosen stage planned as a whole within device memory, its other micro-batches in
+    flight holding their activations (the ILP trades them against the rest, `intra.Stash`)."""
+    stage, mesh, intra, flight = job
+    stash = Stash(stage.num_forward, flight - 1)
+    problem = ShardingProblem(stage.program, mesh, cluster, intra, num_micro_batches, stash)
+    plan = problem.solve(memory)
+    if plan is None:
+        error = problem.over_budget(memory)
+        raise MemoryBudgetError(
+            f"stage of layers {stage.layers} on mesh {mesh.shape} with {flight} micro-batches "
+            f"in flight: {error}; or use more micro-batches (less activation memory each) or "
+            "more pipeline stages",
+            error.budget,
+            error.least,
+        )
+    return plan
 
 
 def plan_pipeshard(
@@ -461,48 +464,42 @@ def plan_pipeshard(
     placement = place_stages(parts, ranges)
     devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
     k = config.num_micro_batches
-    chosen = []  # per stage: (its program, mesh, micro-batches in flight, budget, plan key)
-    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, list[tuple[float, int]]]] = {}
+    chosen = []  # per stage: (its program, mesh, plan key)
+    # Identical stages on equal meshes with as many micro-batches in flight are planned once.
+    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, int]] = {}
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
         flight = in_flight(config.schedule, len(ranges), s, k)
-        # The DP's stash estimate: what the other micro-batches in flight keep on the stage.
-        budget = memory - (flight - 1) * assignment.cost.activation_memory_bytes
-        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names)
-        chosen.append((stage, mesh, flight, budget, key))
+        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, flight)
+        chosen.append((stage, mesh, key))
         if key not in jobs:
             intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
-            jobs[key] = (stage, mesh, intra, [])
-        jobs[key][3].append((budget, flight))
+            jobs[key] = (stage, mesh, intra, flight)
 
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
         plan_jobs = functools.partial(
-            _plan_alike_stages, cluster=cluster, num_micro_batches=k, memory=memory
+            _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory
         )
         solved = pool.map(plan_jobs, jobs.values())
         solved = progress(solved, desc="stage plans (ILP)", total=len(jobs), unit="stage")
-        repeated = dict(zip(jobs, solved, strict=True))
+        planned_by_key = dict(zip(jobs, solved, strict=True))
     stage_plans, latencies, peaks = [], [], []
     compute = comm = comm_bytes = flops = 0.0
-    for s, ((stage, mesh, flight, budget, key), assignment) in enumerate(
-        zip(chosen, solution.stages, strict=True)
-    ):
-        planned = repeated[key][budget]
-        p = planned.predicted
-        peak = _stage_peak(stage, planned, flight)
+    for s, ((stage, mesh, key), assignment) in enumerate(zip(chosen, solution.stages, strict=True)):
+        p = planned_by_key[key].predicted
         stage_plans.append(
             dataclasses.replace(
-                planned.stages[0],
+                planned_by_key[key].stages[0],
                 index=s,
                 mesh=mesh,
                 layers=tuple(assignment.layers),
                 input_paths=stage.program.signature.input_paths,
-                predicted=dataclasses.replace(p, memory_per_device_bytes=peak),
+                predicted=p,
             )
         )
         latencies.append(p.step_time_s / k)
-        peaks.append(peak)
+        peaks.append(p.memory_per_device_bytes)
         compute, comm, comm_bytes, flops = (
             compute + p.compute_s,
             comm + p.communication_s,

@@ -8,6 +8,18 @@ launches nothing; an operand computed inside the reader's fusion is not read fro
 element-wise chain is one kernel that reads its inputs and writes its result once, and the
 optimizer update (element-wise over every parameter and both Adam moments) is memory-bound.
 
+Three op classes do not run at the matmul peak or the streaming bandwidth, and a spec that
+measured them (`autopar.profile_cluster()`) prices them at their own rates:
+
+* transcendentals (XLA's class: `exp`, `log`, `tanh`, `logistic`, `erf`, `sqrt`, ...) take
+  `transcendental_rate` elements/s, an order of magnitude below an add on a CPU (a polynomial per
+  element), instead of one FLOP per element;
+* convolutions run at `conv_flops`, which XLA:CPU reaches at well under its matmul peak;
+* a transpose that moves the minor (contiguous) dimension reads with a stride, which XLA:CPU does
+  element by element, at `transpose_bandwidth` bytes (read + written) per second, whether it is
+  materialized or fused into its reader's loop. A transpose of a contraction's result, or one
+  that only contractions read, stays free: XLA has the dot write or read it transposed.
+
 Per-device bytes depend on how each operand and output is split, which the caller knows: the
 ILP's menus from a strategy's specs, the data-parallel methods from the batch dims.
 """
@@ -32,6 +44,14 @@ _NO_KERNEL = frozenset(
     }
 )
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# XLA's transcendental class (what `HloCostAnalysis` counts as transcendentals, not FLOPs).
+_TRANSCENDENTAL = frozenset(
+    {
+        *("exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "pow"),
+        *("sqrt", "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "atan2"),
+        *("sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"),
+    }
+)
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec) -> float:
@@ -52,6 +72,8 @@ def _highest_precision(node: OpNode) -> bool:
 def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
     """The FLOP/s peak `node` runs at: its operands' dtype for a contraction (TF32 for fp32 at
     default precision), its output's otherwise."""
+    if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
+        return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
         return cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
     avals = node.out_avals or node.in_avals
@@ -94,8 +116,28 @@ class Roofline:
     ) -> float:
         """Seconds of `node` doing `flops` per device, with operands and outputs of the given
         per-device sizes (None for a literal operand)."""
+        if self.strided_transpose(node):
+            return 2 * sum(out_bytes) / self.cluster.transpose_bandwidth
         reads, writes, launches = self.traffic(node)
         nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
         nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
         seconds = op_time(flops, nbytes, node_peak(node, self.cluster), self.cluster)
+        if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
+            # flops counts one per element (`planner.graph.elementwise_flops`)
+            seconds = max(seconds, flops / self.cluster.transcendental_rate)
         return seconds + (self.cluster.kernel_overhead_s if launches else 0.0)
+
+    def strided_transpose(self, node: OpNode) -> bool:
+        """Whether `node` is a transpose priced at `transpose_bandwidth`: one that moves the
+        minor dimension and that no contraction absorbs (see the module doc)."""
+        if node.primitive != "transpose" or self.cluster.transpose_bandwidth is None:
+            return False
+        permutation = node.params["permutation"]
+        if permutation[-1] == len(permutation) - 1:
+            return False
+        graph = self.grouping.graph
+        producer = graph.producer(node.inputs[0])
+        if producer is not None and producer.primitive in _CONTRACTIONS:
+            return False  # the contraction writes its result transposed
+        readers = [graph.node(c).primitive for c, _ in graph.consumers(node.id)]
+        return not all(r in _CONTRACTIONS for r in readers)

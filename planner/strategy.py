@@ -97,6 +97,11 @@ def spec_axes(spec: Spec) -> list[str]:
     return [a for entry in spec if entry for a in entry]
 
 
+def without_axes(spec: Spec, axes: Iterable[str]) -> Spec:
+    """`spec` with `axes` taken out of every dim (what the other axes split)."""
+    return tuple(tuple(a for a in e if a not in axes) or None if e else None for e in spec)
+
+
 def axis_choices(mesh: LogicalMesh) -> list[Axes]:
     """The ways to split one dim: over each axis alone, and over all axes (major first)."""
     singles = [(name,) for name in mesh.axis_names]

@@ -8,6 +8,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
 - `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
 - `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
+- `transcendental_rate`, `conv_flops`, `transpose_bandwidth`: the rates of the op classes the
+  roofline prices on their own (`autopar.planner.roofline`): `exp` over a streaming buffer
+  (elements/s), a 3x3 convolution (FLOP/s), transposes of 1 MiB planes (bytes/s);
 - `intra_host_*` / `inter_host_*`: α (latency) and 1/β (bus bandwidth) fitted per physical
   mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather, reduce-scatter and
   all-to-all timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
@@ -42,11 +45,16 @@ from autopar.runtime.microbench import (
     MatmulKind,
     MatmulTiming,
     ProfileSizes,
+    RateKind,
+    RateTiming,
     StreamTiming,
     measure_collectives,
+    measure_convolution,
     measure_kernel_floor,
     measure_matmuls,
     measure_stream,
+    measure_transcendental,
+    measure_transpose,
     physical_mesh,
 )
 
@@ -59,6 +67,8 @@ __all__ = [
     "MatmulKind",
     "MatmulTiming",
     "ProfileSizes",
+    "RateKind",
+    "RateTiming",
     "StreamTiming",
     "fit_link",
     "measure_cluster",
@@ -74,7 +84,8 @@ _INTER = ("inter_host_bandwidth", "inter_host_latency")
 class ClusterProfile:
     """A measured `ClusterSpec` with the timings it was made from (for benchmarks and plots).
 
-    `collectives` lists each timing as (physical axis, kind, B, n, seconds); `unmeasured` the
+    `rates` holds one timing per `RateKind`; `collectives` lists each timing as (physical axis,
+    kind, B, n, seconds); `unmeasured` the
     spec fields that no measurement set (see the module docstring); `seconds` the profile's
     wall time. `to_dict` / `from_dict` round-trip through JSON."""
 
@@ -82,6 +93,7 @@ class ClusterProfile:
     matmul: tuple[MatmulTiming, ...]
     stream: StreamTiming
     kernel: KernelTiming
+    rates: tuple[RateTiming, ...]
     collectives: tuple[CollectiveTiming, ...]
     unmeasured: tuple[str, ...]
     seconds: float
@@ -93,6 +105,7 @@ class ClusterProfile:
             "matmul": [_record_dict(t) for t in self.matmul],
             "stream": _record_dict(self.stream),
             "kernel": _record_dict(self.kernel),
+            "rates": [_record_dict(t) for t in self.rates],
             "collectives": [_record_dict(t) for t in self.collectives],
             "unmeasured": list(self.unmeasured),
             "seconds": self.seconds,
@@ -117,6 +130,7 @@ class ClusterProfile:
                 matmul=tuple(_record(MatmulTiming, r) for r in d["matmul"]),
                 stream=_record(StreamTiming, d["stream"]),
                 kernel=_record(KernelTiming, d["kernel"]),
+                rates=tuple(_record(RateTiming, r) for r in d["rates"]),
                 collectives=tuple(_record(CollectiveTiming, r) for r in d["collectives"]),
                 unmeasured=tuple(str(f) for f in d["unmeasured"]),
                 seconds=float(d["seconds"]),
@@ -138,6 +152,9 @@ class ClusterProfile:
             "highest",
             f"  memory (per device): {_si(s.memory_bandwidth)}B/s streaming, "
             f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
+            f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
+            f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
+            f"{_si(s.transpose_bandwidth)}B/s",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
             bandwidth, latency = (getattr(s, f) for f in fields)
@@ -159,7 +176,7 @@ def _si(value: float | None) -> str:
     return f"{value:.3g} "
 
 
-_ENUM_FIELDS = {MatmulTiming: MatmulKind, CollectiveTiming: Collective}
+_ENUM_FIELDS = {MatmulTiming: MatmulKind, RateTiming: RateKind, CollectiveTiming: Collective}
 
 
 def _record_dict(record: Any) -> dict[str, Any]:
@@ -220,6 +237,7 @@ def build_spec(
     matmul: Sequence[MatmulTiming],
     stream: StreamTiming,
     kernel: KernelTiming,
+    rates: Sequence[RateTiming],
     collectives: Sequence[CollectiveTiming],
 ) -> tuple[ClusterSpec, tuple[str, ...]]:
     """The spec of `devices` from its measurements, and the fields no measurement set."""
@@ -252,6 +270,7 @@ def build_spec(
         memory_efficiency=1.0,
         kernel_overhead_s=kernel.per_kernel_s,
         **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
+        **{t.kind.spec_field: t.rate for t in rates},
     )
     return spec, unmeasured
 
@@ -328,15 +347,20 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         bar.update()
         kernel = measure_kernel_floor(local, sizes)
         bar.update()
+        rates = []
+        for measure in (measure_transcendental, measure_convolution, measure_transpose):
+            rates.append(measure(local, sizes))
+            bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:
         bar.close()
-    spec, unmeasured = build_spec(devices, matmul, stream, kernel, collectives)
+    spec, unmeasured = build_spec(devices, matmul, stream, kernel, rates, collectives)
     profile = ClusterProfile(
         spec,
         tuple(matmul),
         stream,
         kernel,
+        tuple(rates),
         tuple(collectives),
         unmeasured,
         time.perf_counter() - start,
@@ -347,7 +371,8 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
 
 def profile_cluster(devices: Any = None) -> ClusterSpec:
     """A `ClusterSpec` of `devices` measured on them: matmul rates, memory bandwidth, kernel
-    floor and per-axis link latency and bandwidth (see `measure_cluster` for `devices`).
+    floor, the rates of transcendentals, convolutions and transposes, and per-axis link latency
+    and bandwidth (see `measure_cluster` for `devices`).
 
     Example::
 

@@ -1,5 +1,6 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
-floor and collectives, timed on the devices themselves.
+floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
+transposes) and collectives, timed on the devices themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
 figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
@@ -36,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 KIB, MIB = 1 << 10, 1 << 20
 _TINY = 8  # side of the matmuls that measure the kernel floor
+# The rate benchmarks' shapes: a 3x3 convolution of 64 to 64 channels over 32x32 images (a
+# ResNet stage's, enough channels to fill the matmul micro-kernels), and transposes of 512x512
+# float32 planes (1 MiB: beyond one core's L2 cache, as a transposed activation is).
+_CONV_SIDE, _CONV_CHANNELS = 32, 64
+_TRANSPOSE_SIDE = 512
 
 
 class MatmulKind(enum.Enum):
@@ -144,6 +150,35 @@ class KernelTiming:
     def per_kernel_s(self) -> float:
         """(t_N − t_1) / (N − 1), at least 0: one kernel's floor without the dispatch."""
         return max(0.0, (self.seconds_many - self.seconds_one) / (self.num_kernels - 1))
+
+
+class RateKind(enum.Enum):
+    """An op class the roofline prices at its own rate, and the `ClusterSpec` field it sets."""
+
+    TRANSCENDENTAL = "transcendental"  # exp over a float32 buffer: elements per second
+    CONVOLUTION = "convolution"  # a float32 3x3 convolution: FLOP/s
+    TRANSPOSE = "transpose"  # float32 planes transposed: bytes read + written per second
+
+    @property
+    def spec_field(self) -> str:
+        return {
+            "transcendental": "transcendental_rate",
+            "convolution": "conv_flops",
+            "transpose": "transpose_bandwidth",
+        }[self.value]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RateTiming:
+    """One op of `kind` doing `work` (its unit: see `RateKind`) in `seconds` on one device."""
+
+    kind: RateKind
+    work: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.work / self.seconds
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -280,6 +315,49 @@ def measure_stream(devices: Sequence[jax.Device], sizes: ProfileSizes) -> Stream
     step = lambda x, a, b: x * a + b  # noqa: E731
     seconds = _op_s(_per_device(mesh, 3), step, x, (a, b), sizes, fusible=True)
     return StreamTiming(2 * 4 * elements, seconds)
+
+
+def measure_transcendental(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """`exp(-x)` over `sizes.stream_bytes` of float32 per device (it stays near 0.57, never
+    overflowing): elements per second, its memory traffic included, as a streaming kernel
+    of transcendentals runs."""
+    mesh, d = _local_mesh(devices), len(devices)
+    elements = sizes.stream_bytes // 4
+    x = _filled(mesh, (d * elements,), jnp.float32, 0.5)
+    step = lambda x: jnp.exp(-x)  # noqa: E731
+    seconds = _op_s(_per_device(mesh, 1), step, x, (), sizes, fusible=True)
+    return RateTiming(RateKind.TRANSCENDENTAL, elements, seconds)
+
+
+def measure_convolution(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """A 3x3 "SAME" convolution (NHWC) of `_CONV_CHANNELS` channels on `_CONV_SIDE`² images,
+    as many as `sizes.stream_bytes` / 16 of input hold (at least one): FLOP/s."""
+    mesh, d = _local_mesh(devices), len(devices)
+    image = _CONV_SIDE * _CONV_SIDE * _CONV_CHANNELS
+    batch = max(1, sizes.stream_bytes // 16 // (4 * image))
+    x = _filled(mesh, (d * batch, _CONV_SIDE, _CONV_SIDE, _CONV_CHANNELS), jnp.float32, 0.5)
+    weight = 1 / (9 * _CONV_CHANNELS)  # keeps x near 0.5
+    w = _filled(mesh, (d * 3, 3, _CONV_CHANNELS, _CONV_CHANNELS), jnp.float32, weight)
+
+    def step(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    seconds = _op_s(_per_device(mesh, 2), step, x, (w,), sizes)
+    flops = 2 * batch * image * _CONV_CHANNELS * 9
+    return RateTiming(RateKind.CONVOLUTION, flops, seconds)
+
+
+def measure_transpose(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """`_TRANSPOSE_SIDE`² float32 planes, as many as `sizes.stream_bytes` holds (at least one),
+    each transposed (the minor dimension moves): bytes read + written per second."""
+    mesh, d = _local_mesh(devices), len(devices)
+    planes = max(1, sizes.stream_bytes // (4 * _TRANSPOSE_SIDE**2))
+    x = _filled(mesh, (d * planes, _TRANSPOSE_SIDE, _TRANSPOSE_SIDE), jnp.float32, 1.0)
+    step = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    seconds = _op_s(_per_device(mesh, 1), step, x, (), sizes, fusible=True)
+    return RateTiming(RateKind.TRANSPOSE, 2 * 4 * planes * _TRANSPOSE_SIDE**2, seconds)
 
 
 def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:

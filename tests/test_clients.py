@@ -98,6 +98,18 @@ def test_client_matches_serial(client_name: str, method_name: str):
     assert _relative_error(_float_leaves(args[:-1]), _float_leaves(expected[:-1])) <= 1e-5
 
 
+def test_equinox_hyperparameters_stay_static_under_adam():
+    """A Module's Python floats (its dropout rate) are static, as `eqx.filter_jit` has them:
+    traced, they were differentiated, so adam's state (built without them) broke the first step,
+    and sgd's steps returned them as arrays."""
+    client = clients.equinox_transformer(optax.adam(LR), BATCH)
+    step = autopar.parallelize(client.step, batch_argnums=(2,))
+    args, _ = _run(step, client.args, STEPS)
+    assert isinstance(args[0].blocks[0].attention.dropout.p, float)
+    expected = _reference(client, 1)
+    assert _relative_error(_float_leaves(args[:-1]), _float_leaves(expected[:-1])) <= 1e-5
+
+
 def _relative_error(actual: list, expected: list) -> float:
     """Largest per-leaf ||a - e|| / ||e||, where ||e|| is floored at 1e-3 of the whole state's
     norm: a parameter whose gradient is identically zero (an attention key bias, a bias before

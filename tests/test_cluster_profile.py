@@ -21,6 +21,7 @@ from autopar.runtime.cluster_profile import (
     CollectiveTiming,
     MatmulKind,
     ProfileSizes,
+    RateKind,
     fit_link,
     measure_cluster,
 )
@@ -64,6 +65,9 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
     assert 0 < spec.intra_host_bandwidth < 1e13 and 0 < spec.inter_host_bandwidth < 1e13
     assert 0 <= spec.intra_host_latency < 0.1 and 0 <= spec.inter_host_latency < 0.1
     assert 0 <= spec.kernel_overhead_s < 0.01
+    assert 1e6 < spec.transcendental_rate < 1e13  # elements/s
+    assert 1e7 < spec.conv_flops < 1e14
+    assert 1e6 < spec.transpose_bandwidth < 1e13
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14
 
@@ -85,6 +89,16 @@ def test_eight_devices_measure_every_collective_within_the_host(eight):
         spec.intra_host_bandwidth,
         spec.intra_host_latency,
     )
+
+
+def test_each_op_class_rate_sets_its_spec_field(one):
+    """One timing per op class; the spec holds its rate (work / seconds), which a matmul's peak
+    or the streaming bandwidth would not give: these ops run at rates of their own."""
+    assert [t.kind for t in one.rates] == list(RateKind)
+    for t in one.rates:
+        assert t.work > 0 and t.seconds > 0
+        assert getattr(one.spec, t.kind.spec_field) == t.rate == t.work / t.seconds
+    assert "transcendentals" in one.summary()
 
 
 def test_one_device_has_no_link_and_says_so(one):

@@ -14,14 +14,17 @@ from conftest import parallel_steps, relative_error, serial_state
 import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
-from autopar.planner.intra import IntraOpConfig, plan_shard_parallel
+from autopar.planner.intra import IntraOpConfig, ShardingProblem, Stash, plan_shard_parallel
 from autopar.planner.pipeline import place_stages, split_step
 from autopar.planner.pipeshard import (
     LayerCosts,
     PipelineConfig,
     plan_pipeshard,
+    range_program,
     stage_intra_config,
     stage_mesh,
+    stash_bytes,
+    state_bytes,
 )
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import resolve_argnums, trace_step
@@ -218,6 +221,29 @@ def test_prefetched_layer_plans_equal_sequential_ones():
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
 
 
+def _layer_problem(logical):
+    """Layer 1 of the MLP step alone on a logical mesh, as an ILP."""
+    traced, parts, _ = _auto_stage_parts()
+    program = range_program(parts, traced.program.signature, 1, 2).program
+    mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+    cluster = autopar.ClusterSpec.local(8)
+    config = IntraOpConfig()
+    return ShardingProblem(program, mesh, cluster, config, MICRO_BATCHES)
+
+
+def test_a_budget_the_ilp_cannot_meet_is_answered_without_the_least_memory_plan(monkeypatch):
+    """The ILP's memory is a lower bound of the emitted plan's: where no choices fit the
+    budget, `solve` says so without planning for the least memory (a second ILP)."""
+    problem = _layer_problem((1, 2))
+    budget = problem.ilp.least_memory() / 2
+
+    def unexpected(self):
+        raise AssertionError("planned the least-memory plan")
+
+    monkeypatch.setattr(ShardingProblem, "_least_memory_plan", unexpected)
+    assert problem.solve(budget) is None
+
+
 class _UnboundedLayerCosts(LayerCosts):
     """LayerCosts that squeezes every stage that may not fit, however slow."""
 
@@ -242,6 +268,17 @@ def test_stages_slower_than_a_plan_within_hosts_are_not_squeezed():
     tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
     pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (2, 4), _UnboundedLayerCosts)
+
+
+def test_stages_slower_than_a_plan_at_the_fastest_layer_plans_are_not_squeezed():
+    """On one host, the best plan of stages at their fastest layer plans (all planned before
+    the DP) bounds the step time: slower stages are not squeezed, and the plan is the same."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
+    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
+    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _UnboundedLayerCosts)
 
 
 def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
@@ -430,3 +467,54 @@ def test_jax_grad_cannot_be_pipelined():
 def test_bad_method_arguments(kwargs, match):
     with pytest.raises(autopar.InvalidArgumentError, match=match):
         autopar.PipeshardParallel(**kwargs)
+
+
+def test_stage_plan_counts_the_activations_of_micro_batches_in_flight():
+    """A stage re-planned with micro-batches in flight counts their stashed activations in its
+    memory: with memory to spare the plan is the same and its peak grows by exactly their
+    bytes; within a budget that the stash-blind plan exceeds, the plan found fits."""
+    traced, parts, pipeline = _auto_stage_parts()
+    stage = range_program(parts, traced.program.signature, 0, 2)
+    mesh = stage_mesh((1, 2), (0, 1))
+    cluster = autopar.ClusterSpec.local(8)
+
+    def problem(copies: int) -> ShardingProblem:
+        stash = Stash(stage.num_forward, copies)
+        return ShardingProblem(stage.program, mesh, cluster, IntraOpConfig(), MICRO_BATCHES, stash)
+
+    blind = problem(0).solve(math.inf)
+    held = stash_bytes(stage, blind.stages[0])
+    assert held > 0
+    aware = problem(3).solve(math.inf)
+    assert aware.stages[0].input_specs == blind.stages[0].input_specs
+    assert aware.predicted.memory_per_device_bytes == pytest.approx(
+        blind.predicted.memory_per_device_bytes + 3 * held, rel=1e-9
+    )
+    budget = blind.predicted.memory_per_device_bytes + 1.5 * held
+    tight = problem(3).solve(budget)
+    assert tight is not None and tight.predicted.memory_per_device_bytes <= budget
+    with pytest.raises(ValueError, match="counts >= 0"):
+        Stash(stage.num_forward, -1)
+
+
+def test_layer_state_counts_whole_accumulators_of_gradients_reduced_once():
+    """A gradient stored split but reduce-scattered once per step waits whole on each device
+    until the last micro-batch: the layer's state (what adds up over a stage's layers) counts
+    its accumulator whole, not as the slice it is stored as."""
+    traced, parts, pipeline = _auto_stage_parts()
+    stage = range_program(parts, traced.program.signature, 0, 2)
+    mesh = stage_mesh((4, 1), (0, 1, 2, 3))
+    config = IntraOpConfig(force_batch_dim_to_mesh_dim=0)
+    problem = ShardingProblem(stage.program, mesh, autopar.ClusterSpec.local(8), config, 4)
+    fastest = problem.solve(math.inf).predicted.memory_per_device_bytes
+    plan = problem.solve(0.6 * fastest).stages[0]  # some gradient reduce-scattered per micro-batch
+    scattered = {n: s for n, s in plan.partial_sums.items() if not s.once_per_step}
+    assert scattered
+    node, lowering = next(iter(scattered.items()))
+    aval = stage.program.graph.node(node).out_avals[0]
+    once = dataclasses.replace(
+        plan,
+        partial_sums={**plan.partial_sums, node: dataclasses.replace(lowering, once_per_step=True)},
+    )
+    whole = math.prod(aval.shape) * aval.dtype.itemsize
+    assert state_bytes(stage, once) - state_bytes(stage, plan) == pytest.approx(whole * 3 / 4)

@@ -1,5 +1,7 @@
 """The roofline cost model: per-op time from FLOPs at the dtype's peak against bytes moved, fusion
-as the memory model sees it, and the plans that follow from it on the V100 preset."""
+as the memory model sees it, the op classes priced at measured rates of their own
+(transcendentals, convolutions, minor-dimension transposes), and the plans that follow from it on
+the V100 preset."""
 
 import dataclasses
 import json
@@ -11,7 +13,7 @@ import pytest
 
 import autopar
 from autopar.models import MLPConfig, abstract_train_inputs, gpt, mlp
-from autopar.planner.cluster import ClusterSpec
+from autopar.planner.cluster import PRESETS, ClusterSpec
 from autopar.planner.plan import Plan
 from autopar.planner.roofline import op_time
 
@@ -19,6 +21,7 @@ V100 = ClusterSpec.preset("8xV100-p3")
 A100 = ClusterSpec.preset("8xA100-80G")
 F32 = np.dtype("float32")
 
+_RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # added in format 8
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -26,6 +29,11 @@ _ROOFLINE_FIELDS = (
     "compute_efficiency",
     "memory_efficiency",
     "kernel_overhead_s",
+    *_RATE_FIELDS,
+)
+# A CPU device with measured op-class rates (the figures are round, not a real CPU's).
+CPU = dataclasses.replace(
+    ClusterSpec.local(1), transcendental_rate=1e8, conv_flops=50e9, transpose_bandwidth=2e9
 )
 
 
@@ -59,6 +67,9 @@ def test_peak_depends_on_dtype_and_precision():
         ("memory_efficiency", 0.0),
         ("kernel_overhead_s", -1e-6),
         ("tf32_flops", "fast"),
+        ("transcendental_rate", 0.0),
+        ("conv_flops", -1.0),
+        ("transpose_bandwidth", float("nan")),
     ],
 )
 def test_roofline_fields_are_validated(field, value):
@@ -85,6 +96,65 @@ def test_element_wise_chain_reads_and_writes_once():
     add_s = x.size / (V100.fp32_flops * V100.compute_efficiency)
     expected = memory_s + add_s + V100.kernel_overhead_s
     assert plan.predicted.compute_s == pytest.approx(expected, rel=1e-6)
+
+
+def _compute_s(fun, state, x, spec: ClusterSpec) -> float:
+    return autopar.plan(fun, state, x, cluster_spec=spec).predicted.compute_s
+
+
+def test_transcendentals_run_at_the_measured_rate():
+    """exp over 1 Mi elements: 10 ms at 1e8 elements/s, far above its 1 ms of memory traffic;
+    without a rate it is one FLOP per element, hidden under the traffic."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    memory_s = 2 * x.size * 4 / (CPU.memory_bandwidth * CPU.memory_efficiency)
+    step = lambda s, x: (s, jnp.exp(x))  # noqa: E731
+    assert _compute_s(step, 0.0, x, CPU) == pytest.approx(x.size / 1e8 + CPU.kernel_overhead_s)
+    unmeasured = dataclasses.replace(CPU, transcendental_rate=None)
+    assert _compute_s(step, 0.0, x, unmeasured) == pytest.approx(memory_s + CPU.kernel_overhead_s)
+
+
+def test_convolutions_run_at_the_measured_rate_not_the_matmul_peak():
+    x = jax.ShapeDtypeStruct((8, 32, 32, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
+    flops = 2 * 8 * 32 * 32 * 64 * 64 * 9
+
+    def step(w, x):
+        dims = ("NHWC", "HWIO", "NHWC")
+        return w, jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims)
+
+    # compute-bound: an achieved rate, which compute_efficiency does not scale again
+    assert _compute_s(step, w, x, CPU) == pytest.approx(flops / 50e9 + CPU.kernel_overhead_s)
+    peak = CPU.device_flops * CPU.compute_efficiency
+    unmeasured = dataclasses.replace(CPU, conv_flops=None)
+    assert _compute_s(step, w, x, unmeasured) == pytest.approx(flops / peak + CPU.kernel_overhead_s)
+
+
+_W = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+TRANSPOSES = {
+    # name: (step, whether the transpose is priced at transpose_bandwidth)
+    "moves the minor dim": (lambda w, x: (w, jnp.transpose(x) * 2.0), True),
+    "keeps the minor dim": (
+        lambda w, x: (w, jnp.transpose(x.reshape(16, 16, 256), (1, 0, 2))),
+        False,
+    ),
+    "read by a dot": (lambda w, x: (w, jnp.transpose(x) @ w), False),
+    "of a dot's result": (lambda w, x: (w, jnp.transpose(x @ w) * 2.0), False),
+}
+
+
+@pytest.mark.parametrize("step, priced", TRANSPOSES.values(), ids=TRANSPOSES.keys())
+def test_transposes_that_move_the_minor_dim_are_priced_unless_a_dot_absorbs_them(step, priced):
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    unmeasured = dataclasses.replace(CPU, transpose_bandwidth=None)
+    extra = _compute_s(step, _W, x, CPU) - _compute_s(step, _W, x, unmeasured)
+    expected = 2 * x.size * 4 / CPU.transpose_bandwidth if priced else 0.0  # read + written
+    assert extra == pytest.approx(expected, abs=1e-12)
+
+
+def test_gpu_presets_keep_the_plain_roofline():
+    """No preset gives op-class rates (no sourced figures): GPU plans are priced as before."""
+    for spec in PRESETS.values():
+        assert all(getattr(spec, field) is None for field in _RATE_FIELDS), spec.name
 
 
 def _mlp_plan(batch: int, width: int):
@@ -132,12 +202,21 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
     assert mfu < 0.5
 
 
-def test_plan_files_of_format_6_still_load():
+@pytest.mark.parametrize(
+    "version, missing", [(6, _ROOFLINE_FIELDS), (7, _RATE_FIELDS)], ids=["format 6", "format 7"]
+)
+def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
     data = json.loads(plan.to_json())
-    data["format_version"] = 6
-    for key in _ROOFLINE_FIELDS:
+    data["format_version"] = version
+    for key in missing:
         data["cluster"].pop(key)
     old = Plan.from_json(json.dumps(data))
     assert old.stages == plan.stages
-    assert ClusterSpec.from_dict(old.cluster).memory_bandwidth is None
+    cluster = ClusterSpec.from_dict(old.cluster)
+    defaults = {f.name: f.default for f in dataclasses.fields(ClusterSpec)}
+    assert all(getattr(cluster, key) == defaults[key] for key in missing)
+
+
+def test_rates_round_trip_through_json():
+    assert ClusterSpec.from_dict(json.loads(json.dumps(CPU.to_dict()))) == CPU
