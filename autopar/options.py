@@ -25,10 +25,12 @@ class AutoShardingOption:
       prefer_reduce_scatter: store optimizer state split, so gradients are reduce-scattered and
         the update is sharded (ZeRO-2 style weight-update sharding).
       solver: "highs" (HiGHS, the default) or "cbc" (the CBC bundled with PuLP).
-      time_limit_s: wall-clock limit per ILP solve; past it the best plan found is used, with a
-        warning. That plan depends on the machine's speed and load, so it may differ between
-        runs (each hit is logged; a ShardParallel plan's note says "time limit hit"). Solves
-        that finish within the limit give the same plan run after run.
+      time_limit_s: wall-clock limit per plan's ILP work, its rounds of memory cuts and budget
+        corrections included (a round that starts past it gets a quarter of it); past it the
+        best plan found is used, with a warning. That plan depends on the machine's speed and
+        load, so it may differ between runs (each hit is logged; a ShardParallel plan's note
+        says "time limit hit"). Solves that finish within the limit give the same plan run
+        after run.
       reuse_repeated_layers: give identical layers one set of variables (smaller, faster ILP).
       force_batch_dim_to_mesh_dim: split every value's batch dim over this mesh axis (0 or 1)
         and no other: data parallel over that axis, the ILP choosing only the model

@@ -571,10 +571,10 @@ def _header(result: dict[str, Any]) -> list[str]:
         "that host instead, as Alpa's "
         f"own 4- and 8-GPU GPT plans; PipeshardParallel (AutoLayerOption({s['pipeshard_layers']} "
         "layers, coarse-grained remat), Alpa's stage DP) across hosts. ILP solver "
-        f"{s['solver']}, {s['time_limit_s']:.0f} s limit per solve. Each case runs in its own "
-        f"process, capped at {s['case_timeout_s']:.0f} s of wall time (planning and baselines); "
-        "once a case of a family and cluster hits the cap, its larger cases are not attempted "
-        f"(`--attempt-all` plans them). {s['machine']}, shared with another job; the suite took "
+        f"{s['solver']}, {s['time_limit_s']:.0f} s limit per plan's ILP work. Each case runs in "
+        f"its own process, capped at {s['case_timeout_s']:.0f} s of wall time (planning and "
+        "baselines); once a case of a family and cluster hits the cap, its larger cases are "
+        f"not attempted (`--attempt-all` plans them). {s['machine']}; the suite took "
         f"{result['total_s'] / 60:.1f} min.",
         "",
         "Sizes and micro-batches are Alpa's weak-scaling cases (`perf_test_suite` of "
@@ -582,7 +582,8 @@ def _header(result: dict[str, Any]) -> list[str]:
         "device counts of Alpa's end-to-end figures; global batch 1024 sequences of 1024 tokens "
         "(GPT, MoE) and 1536 images of 224 px (Wide-ResNet; 1520 for 13B).",
         "",
-        "Step times are the cost model's (compute at the device's peak FLOP/s, α-β collectives), "
+        "Step times are the cost model's (roofline: each op at the device's peak FLOP/s or memory "
+        "bandwidth, whichever binds; α-β collectives), "
         "so TFLOP/s per device and MFU are predictions, not measurements; they count the step's "
         "FLOPs with recomputation, so a rematerialised pipeline's are hardware FLOPs. *best "
         "baseline* is the fastest layout that fits device memory among DP, ZeRO-2 (Z2), ZeRO-3 "

@@ -25,6 +25,7 @@ which is what a collective along axis 0 of a (hosts, devices_per_host) logical m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -47,6 +48,13 @@ _OPTIONAL_POSITIVE_FIELDS = (
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 _SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
+
+
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name; cached, as numpy computes it anew on every access and the cost model
+    asks for it once per op and strategy."""
+    return getattr(dtype, "name", str(dtype))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,7 +136,7 @@ class ClusterSpec:
         """FLOP/s peak for arithmetic in `dtype`: 16-bit floats at `device_flops`; fp32 matmuls
         at `tf32_flops` unless `highest_precision` (JAX's default lets XLA use TF32 on GPUs);
         everything else at `fp32_flops`."""
-        name = getattr(dtype, "name", str(dtype))
+        name = _dtype_name(dtype)
         if name in _SIXTEEN_BIT:
             return self.device_flops
         fp32 = self.fp32_flops or self.device_flops

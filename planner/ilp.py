@@ -52,6 +52,7 @@ DEFAULT_TIME_LIMIT_S = 10.0
 _CUTS_PER_ROUND = 4  # memory cuts added per round
 _MAX_CUT_ROUNDS = 40  # a budgeted solve still cutting then answers "does not fit"
 _ROUNDS_PER_DOUBLING = 4  # past that, the least-memory search doubles its cuts this often
+_LATE_ROUND_SHARE = 0.25  # of time_limit_s, for a cut round that starts after it ran out
 OVERLAP_PENALTY = 0.1
 # Per thread: whether HiGHS refused one thread there (its scheduler in that thread was started
 # by other code with another thread count, which HiGHS does not change afterwards).
@@ -211,16 +212,14 @@ class IntraOpIlp:
 
     # ------------------------------------------------------------------ solving
 
-    def _solve_highs(self, prob: pulp.LpProblem) -> None:
+    def _solve_highs(self, prob: pulp.LpProblem, time_limit_s: float) -> None:
         """Solve with HiGHS on one thread, seed 0 (module docstring). In a thread whose HiGHS
         scheduler other code started with more threads, HiGHS refuses one thread: there it
         solves with that scheduler, and the plan may differ from other machines' (warned once
         per thread)."""
         from highspy import HighsModelStatus
 
-        options = dict(
-            msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap, random_seed=0
-        )
+        options = dict(msg=False, timeLimit=time_limit_s, gapRel=self.relative_gap, random_seed=0)
         if not getattr(_HIGHS_STATE, "refuses_one_thread", False):
             prob.solve(pulp.HiGHS(threads=1, **options))
             if prob.solverModel.getModelStatus() != HighsModelStatus.kNotset:
@@ -233,14 +232,16 @@ class IntraOpIlp:
             )
         prob.solve(pulp.HiGHS(**options))
 
-    def _solve(self, prob: pulp.LpProblem, s) -> tuple[np.ndarray, bool] | None:
+    def _solve(
+        self, prob: pulp.LpProblem, s, time_limit_s: float
+    ) -> tuple[np.ndarray, bool] | None:
         if self.solver == "highs":
-            self._solve_highs(prob)
+            self._solve_highs(prob, time_limit_s)
         else:
             with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
                 warnings.simplefilter("ignore", DeprecationWarning)
                 solver = pulp.PULP_CBC_CMD(
-                    msg=False, timeLimit=self.time_limit_s, gapRel=self.relative_gap
+                    msg=False, timeLimit=time_limit_s, gapRel=self.relative_gap
                 )
             prob.solve(solver)
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -256,9 +257,14 @@ class IntraOpIlp:
         bound,
         cut: dict[int, pulp.LpConstraint],
         escalate: bool,
+        deadline: float | None = None,
     ):
         """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`;
         None if infeasible.
+
+        The rounds share the time until `deadline` (default: `time_limit_s` from now); a round
+        past it still gets `_LATE_ROUND_SHARE` of the limit (the full limit again where that
+        finds no plan at all), so the limit bounds a solve, not each of its rounds.
 
         Most plans fit after a few cuts. Where the peak keeps moving from step to step, a
         budgeted solve stops after `_MAX_CUT_ROUNDS` (`_CutsDidNotSettle`); with `escalate` the
@@ -266,8 +272,21 @@ class IntraOpIlp:
         rounds every step is cut, the solution meets every step's constraint, and the loop
         ends. (Many cuts at once slow each solve, so the first rounds add few.)"""
         optimal = True
+        if deadline is None:
+            deadline = time.perf_counter() + self.time_limit_s
         for rounds in itertools.count(1):
-            result = self._solve(prob, s)
+            late = self.time_limit_s * _LATE_ROUND_SHARE
+            began = time.perf_counter()
+            result = self._solve(prob, s, max(deadline - began, late))
+            if result is None and prob.sol_status == pulp.LpSolutionNoSolutionFound:
+                result = self._solve(prob, s, self.time_limit_s)  # out of time before any plan
+            logger.debug(
+                "memory-cut round %d (%d cuts): %s in %.2f s",
+                rounds,
+                len(cut),
+                "no plan" if result is None else "optimal" if result[1] else "time limit hit",
+                time.perf_counter() - began,
+            )
             if result is None:
                 return None
             choices, opt = result
@@ -283,8 +302,10 @@ class IntraOpIlp:
             for step in worst[:width]:
                 cut[step] = self._add_memory_cut(prob, s, step, bound)
 
-    def solve(self, budget_bytes: float) -> Solution | None:
+    def solve(self, budget_bytes: float, deadline: float | None = None) -> Solution | None:
         """The least-time choices whose memory fits `budget_bytes` per device; None if none do.
+        Its rounds share the time until `deadline` (`time.perf_counter()`; default: the time
+        limit from now).
 
         Solving again with a budget no larger reuses the model and the cuts found so far."""
         start = time.perf_counter()
@@ -302,6 +323,7 @@ class IntraOpIlp:
                 budget_bytes / _MIB,
                 self._cuts,
                 escalate=False,
+                deadline=deadline,
             )
         except _CutsDidNotSettle:
             least = self.least_memory()

@@ -467,12 +467,14 @@ class ShardingProblem:
         self.build_seconds = time.perf_counter() - start
 
     def solve(self, budget: float) -> Plan | None:
-        """The fastest plan within `budget` bytes per device; None if none fits."""
+        """The fastest plan within `budget` bytes per device; None if none fits. The ILP solves
+        of its budget corrections share one time limit."""
         start = time.perf_counter()
         program, problem = self.program, self.problem
         target = budget
+        deadline = start + self.ilp.time_limit_s
         for _ in range(1 + _BUDGET_CORRECTIONS):
-            solution = self.ilp.solve(target)
+            solution = self.ilp.solve(target, deadline)
             if solution is None:
                 if target == budget:
                     # The ILP's memory is a lower bound of the emitted plan's (which adds

@@ -250,8 +250,7 @@ class LayerCosts:
         plans = self._layer_plans(layer, logical)
         if plans is None:
             return ()
-        while len(plans.found) < min(levels, MAX_ALTERNATIVES) and not plans.exhausted:
-            self._squeeze(plans)
+        self._squeeze_to(plans, levels)
         return tuple(plans.found[:levels])
 
     def prefetch(self, logicals: Iterable[tuple[int, int]], workers: int | None = None) -> None:
@@ -267,6 +266,32 @@ class LayerCosts:
         with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
             solves = pool.map(self._squeeze, pending.values())
             list(progress(solves, desc="layer plans (ILP)", total=len(pending), unit="ILP"))
+
+    def prefetch_squeezed(
+        self, candidates: Iterable[tuple[int, int, tuple, tuple]], workers: int | None = None
+    ) -> None:
+        """Plan the squeezed alternatives the DP will ask for among `candidates` (start, end,
+        submesh, logical), one layer's chain of squeezes per worker: each squeeze depends on
+        the last, but the chains of different layers and meshes do not."""
+        pending = {
+            id(plans): plans
+            for start, end, submesh, logical in candidates
+            if self._squeezes(start, end, submesh, logical)
+            for layer in range(start, end)
+            if (plans := self._layer_plans(layer, logical)) is not None
+            and len(plans.found) < MAX_ALTERNATIVES
+            and not plans.exhausted
+        }
+        if not pending:
+            return
+        with ThreadPoolExecutor(min(len(pending), workers or os.cpu_count() or 1)) as pool:
+            chains = pool.map(self._squeeze_to, pending.values())
+            list(progress(chains, desc="squeezed layer plans", total=len(pending), unit="layer"))
+
+    def _squeeze_to(self, plans: _LayerPlans, levels: int = MAX_ALTERNATIVES) -> None:
+        """Squeeze until the layer has `levels` plans or no more fit."""
+        while len(plans.found) < min(levels, MAX_ALTERNATIVES) and not plans.exhausted:
+            self._squeeze(plans)
 
     def _layer_plans(self, layer: int, logical: tuple) -> _LayerPlans | None:
         """The plans of `layer` on `logical` so far, shared by every layer of the same structure
@@ -327,18 +352,22 @@ class LayerCosts:
         """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
         one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
         found = self.fastest(start, end, submesh, logical)
-        if not found:
-            return ()
-        (first,) = found
-        most_in_flight = 1 + self.parts.num_layers - end
-        if first.static_memory_bytes + most_in_flight * first.activation_memory_bytes <= (
-            self.device_memory
-        ):
-            return (first,)
-        if self.config.num_micro_batches * first.latency_s >= self.step_bound_s:
-            return (first,)  # even at its fastest, a plan with this stage is no better
+        if not found or not self._squeezes(start, end, submesh, logical):
+            return found
         layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
         return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
+
+    def _squeezes(self, start: int, end: int, submesh: tuple, logical: tuple) -> bool:
+        """Whether the DP gets squeezed alternatives of this stage (the class docstring)."""
+        found = self.fastest(start, end, submesh, logical)
+        if not found:
+            return False
+        (first,) = found
+        most_in_flight = 1 + self.parts.num_layers - end
+        fits = first.static_memory_bytes + most_in_flight * first.activation_memory_bytes
+        # even at its fastest, a plan with this stage would be no better than the bound:
+        hopeless = self.config.num_micro_batches * first.latency_s >= self.step_bound_s
+        return fits > self.device_memory and not hopeless
 
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
@@ -380,17 +409,26 @@ def _solve(
         # alternatives bound which stages are worth squeezing into memory: first the best
         # with every stage at its fastest (all planned by now), then the best with stages
         # within a host (fast links, cheap ILPs), squeezed as that bound allows.
-        cost_fn.prefetch(
-            logical
+        meshes = [
+            (submesh, logical)
             for submesh in submesh_shapes(*cluster_shape, option.submesh_physical_shape_space)
             for logical in logical_mesh_shapes(
                 submesh, option.submesh_logical_shape_space, cluster_shape[1]
             )
-        )
+        ]
+        cost_fn.prefetch(logical for _, logical in meshes)
         cost_fn.step_bound_s = _best_step(args, option, cost_fn.fastest)
+        stages = [
+            (start, end, submesh, logical)
+            for start in range(num_layers)
+            for end in range(start + 1, num_layers + 1)
+            for submesh, logical in meshes
+        ]
         if cluster_shape[0] > 1:
+            cost_fn.prefetch_squeezed(stage for stage in stages if stage[2][0] == 1)
             within_host = functools.partial(_within_host, cost_fn)
             cost_fn.step_bound_s = min(cost_fn.step_bound_s, _best_step(args, option, within_host))
+        cost_fn.prefetch_squeezed(stages)
     return solve_stages(*args, option)
 
 

@@ -221,6 +221,30 @@ def test_prefetched_layer_plans_equal_sequential_ones():
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
 
 
+def test_squeezed_layer_plans_prefetched_in_parallel_equal_lazy_ones():
+    """Under a budget where stages need squeezed alternatives, planning the squeeze chains two
+    at a time before the DP gives the DP the alternatives it would plan one by one."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
+    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
+    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    stages = [
+        (start, end, (1, devices), (1, devices))
+        for start in range(parts.num_layers)
+        for end in range(start + 1, parts.num_layers + 1)
+        for devices in (2, 4)
+    ]
+    parallel = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    parallel.prefetch_squeezed(stages, workers=2)
+    solves = parallel.ilp_solves
+    lazy = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    squeezed = [lazy(*stage) for stage in stages]
+    assert any(len(alternatives) > 1 for alternatives in squeezed)
+    assert [parallel(*stage) for stage in stages] == squeezed
+    assert parallel.ilp_solves == solves == lazy.ilp_solves
+
+
 def _layer_problem(logical):
     """Layer 1 of the MLP step alone on a logical mesh, as an ILP."""
     traced, parts, _ = _auto_stage_parts()

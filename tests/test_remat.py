@@ -2,6 +2,7 @@
 budget nothing fits gets the least memory and what to change, and the memory-cut loop ends."""
 
 import dataclasses
+import types
 
 import jax
 import pytest
@@ -10,6 +11,7 @@ from conftest import relative_error
 import autopar
 from autopar.methods import method_mesh
 from autopar.models import GPTConfig, abstract_train_inputs, gpt
+from autopar.planner import ilp as ilp_module
 from autopar.planner.intra import ShardingProblem
 from autopar.tracing import trace_step
 
@@ -81,12 +83,11 @@ def test_cpu_clusters_do_not_recompute():
         autopar.plan(step, state, batch, method=_tight(TIGHT))
 
 
-@pytest.mark.parametrize("solver", ["cbc", "highs"])
-def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
-    """With CBC, the least-memory LP of this GPT used to stop with "did not converge in 40
-    rounds". The least-memory search now doubles its cuts after that, so it ends; a budgeted
-    solve ends with a plan that fits or with the least memory named."""
-    step, state, batch = abstract_train_inputs(gpt, GPTConfig(num_layers=4), 1024)
+def _gpt_problem(
+    config: GPTConfig, batch_size: int, cluster: autopar.ClusterSpec, **option
+) -> ShardingProblem:
+    """The ShardParallel ILP of the bundled GPT on `cluster`'s host, no memory budget."""
+    step, state, batch = abstract_train_inputs(gpt, config, batch_size)
     traced = trace_step(
         step,
         (state, batch),
@@ -95,10 +96,18 @@ def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
         donate_argnums=(0,),
         regather_params=True,
     )
-    cluster = autopar.ClusterSpec.preset("8xV100-p3")
     mesh = method_mesh(autopar.ShardParallel(), cluster)[0]
-    option = autopar.AutoShardingOption(memory_budget_per_device=1e12, solver=solver)
-    problem = ShardingProblem(traced.program, mesh, cluster, option.to_config(), 1)
+    config = autopar.AutoShardingOption(memory_budget_per_device=1e12, **option).to_config()
+    return ShardingProblem(traced.program, mesh, cluster, config, 1)
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
+    """With CBC, the least-memory LP of this GPT used to stop with "did not converge in 40
+    rounds". The least-memory search now doubles its cuts after that, so it ends; a budgeted
+    solve ends with a plan that fits or with the least memory named."""
+    cluster = autopar.ClusterSpec.preset("8xV100-p3")
+    problem = _gpt_problem(GPTConfig(num_layers=4), 1024, cluster, solver=solver)
     least = problem.ilp.least_memory()
     assert 0 < least < 1e9
     try:
@@ -107,6 +116,31 @@ def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
         assert e.least == pytest.approx(least) and "rounds of memory cuts" in str(e)
     else:
         assert plan is not None and plan.predicted.memory_per_device_bytes <= least * 1.05
+
+
+def test_memory_cut_rounds_share_the_time_limit(monkeypatch):
+    """time_limit_s bounds a solve, not each of its rounds of memory cuts: where every round
+    takes all the time it is given, the rounds after the first get a quarter of the limit, and
+    the plan still fits."""
+    ilp = _gpt_problem(GPT, BATCH, autopar.ClusterSpec.local(8)).ilp
+    least = ilp.least_memory()
+    peak = float(ilp.memory.evaluate(ilp.solve(1e12).choices).max())
+    ilp = _gpt_problem(GPT, BATCH, autopar.ClusterSpec.local(8), time_limit_s=8.0).ilp
+    clock, limits = [0.0], []
+    solve_for_real = ilp._solve
+
+    def solve_taking_all_the_time(prob, s, time_limit_s):
+        limits.append(time_limit_s)
+        clock[0] += time_limit_s
+        return solve_for_real(prob, s, time_limit_s)
+
+    monkeypatch.setattr(ilp, "_solve", solve_taking_all_the_time)
+    monkeypatch.setattr(ilp_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    budget = (least + peak) / 2
+    solution = ilp.solve(budget)
+    assert solution is not None and solution.rounds >= 2
+    assert limits == [8.0] + [2.0] * (solution.rounds - 1)
+    assert ilp.memory.evaluate(solution.choices).max() <= budget
 
 
 def test_recomputation_needs_autopar_grad(gpu_costs):
