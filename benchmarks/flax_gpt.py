@@ -6,9 +6,10 @@ The model is not autopar's bundled GPT: `nn.MultiHeadDotProductAttention` with a
 made) with `PipeshardParallel(num_micro_batches, layer_option=AutoLayerOption(layer_num),
 stage_option=AutoStageOption())` and nothing else set, as a new user would.
 
-    python benchmarks/flax_gpt.py [--size 39B] [--cluster 8x8xV100-p3]
+    python benchmarks/flax_gpt.py [--size 39B] [--cluster 8x8xV100-p3] [--remat-mode MODE]
 
-Writes `benchmarks/results/flax_gpt.{json,md}`.
+Writes `benchmarks/results/flax_gpt.{json,md}` (`flax_gpt_MODE.*` with `--remat-mode`); "no
+plan fits" is recorded as an outcome, with the time it took to say so.
 """
 
 from __future__ import annotations
@@ -101,43 +102,66 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="39B", choices=sorted(SIZES))
     parser.add_argument("--cluster", default="8x8xV100-p3")
+    parser.add_argument(
+        "--remat-mode",
+        default=None,
+        choices=["none", "coarse_grained"],
+        help="AutoLayerOption(remat_mode=...); default: not set (the option's default)",
+    )
     args = parser.parse_args()
     size = SIZES[args.size]
     cluster = autopar.ClusterSpec.preset(args.cluster)
+    layer_args = {"layer_num": size.layer_num}
+    if args.remat_mode is not None:
+        layer_args["remat_mode"] = args.remat_mode
+    option_text = ", ".join(f"{k}={v!r}" for k, v in layer_args.items())
     method = autopar.PipeshardParallel(
         num_micro_batches=size.micro_batches,
-        layer_option=autopar.AutoLayerOption(layer_num=size.layer_num),
+        layer_option=autopar.AutoLayerOption(**layer_args),
         stage_option=autopar.AutoStageOption(),
     )
     state, batch = abstract_inputs(size)
     start = time.perf_counter()
-    plan = autopar.plan(train_step, state, batch, method=method, cluster_spec=cluster)
+    try:
+        plan = autopar.plan(train_step, state, batch, method=method, cluster_spec=cluster)
+    except autopar.PlanningError as e:  # "no plan fits" is an answer, and its time counts
+        plan, outcome = None, f"no plan: {e}"
     seconds = time.perf_counter() - start
-    stages = [f"[{s.layers[0]},{s.layers[1]}) {s.mesh.shape}" for s in plan.stages]
+    stages = (
+        []
+        if plan is None
+        else [f"[{s.layers[0]},{s.layers[1]}) {s.mesh.shape}" for s in plan.stages]
+    )
+    if plan is not None:
+        outcome = (
+            f"{len(stages)} stages: {', '.join(stages)}; step {plan.predicted.step_time_s:.2f} s"
+        )
     row = {
         "size": args.size,
         "cluster": args.cluster,
         "micro_batches": size.micro_batches,
-        "layer_num": size.layer_num,
+        "layer_option": f"AutoLayerOption({option_text})",
         "planning_s": round(seconds, 1),
         "stages": stages,
-        "predicted_step_s": plan.predicted.step_time_s,
+        "predicted_step_s": None if plan is None else plan.predicted.step_time_s,
+        "outcome": outcome,
         "options": "defaults (AutoShardingOption())",
         "cpus": os.cpu_count(),
     }
     print(json.dumps(row, indent=2))
+    name = "flax_gpt" if args.remat_mode is None else f"flax_gpt_{args.remat_mode}"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "flax_gpt.json").write_text(json.dumps(row, indent=2) + "\n")
-    (RESULTS / "flax_gpt.md").write_text(
+    (RESULTS / f"{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(
         "# Planning a GPT written with Flax's stock layers, default options\n\n"
-        f"`python benchmarks/flax_gpt.py --size {args.size} --cluster {args.cluster}` on "
+        f"`python benchmarks/flax_gpt.py --size {args.size} --cluster {args.cluster}"
+        f"{'' if args.remat_mode is None else ' --remat-mode ' + args.remat_mode}` on "
         f"{os.cpu_count()} CPUs: PipeshardParallel(num_micro_batches={size.micro_batches}, "
-        f"layer_option=AutoLayerOption(layer_num={size.layer_num}), "
+        f"layer_option=AutoLayerOption({option_text}), "
         "stage_option=AutoStageOption()), nothing else set.\n\n"
-        "| model | cluster | planning s (trace + plan) | stages | predicted step s |\n"
-        "|---|---|---|---|---|\n"
-        f"| GPT-{args.size} (Flax stock layers) | {args.cluster} | {seconds:.1f} | "
-        f"{len(stages)}: {', '.join(stages)} | {plan.predicted.step_time_s:.2f} |\n"
+        "| model | cluster | planning s (trace + plan) | outcome |\n"
+        "|---|---|---|---|\n"
+        f"| GPT-{args.size} (Flax stock layers) | {args.cluster} | {seconds:.1f} | {outcome} |\n"
     )
 
 

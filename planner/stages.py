@@ -24,6 +24,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from autopar.planner.errors import InvalidArgumentError, PlanningError, check_positive_int
+from autopar.planner.summary import format_bytes
 
 if TYPE_CHECKING:
     from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
@@ -622,9 +623,12 @@ def _no_plan_error(
         return PlanningError(f"no stage plan for {where}: cost_fn rejected every candidate stage")
     least = min(c.static_memory_bytes + c.activation_memory_bytes for _, c in cands.costs.values())
     return PlanningError(
-        f"no stage plan for {where} fits in {device_memory:.4g} bytes per device; the least any "
-        f"single candidate stage needs (state plus one micro-batch of activations) is "
-        f"{least:.4g} bytes"
+        f"no stage plan for {where} fits in {format_bytes(device_memory)} per device: under "
+        "1F1B a stage keeps a micro-batch of activations for each stage after it, and the least "
+        f"any single candidate stage needs with one is {format_bytes(least)} (state plus one "
+        "micro-batch of activations); use more micro-batches (smaller ones), "
+        'AutoLayerOption(remat_mode="coarse_grained") (a stage keeps only its layers\' inputs), '
+        "or more devices"
     )
 
 
