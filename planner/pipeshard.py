@@ -276,7 +276,8 @@ class LayerCosts:
         pending = {
             id(plans): plans
             for start, end, submesh, logical in candidates
-            if self._squeezes(start, end, submesh, logical)
+            if (found := self.fastest(start, end, submesh, logical))
+            and self._squeezes(found[0], end)
             for layer in range(start, end)
             if (plans := self._layer_plans(layer, logical)) is not None
             and len(plans.found) < MAX_ALTERNATIVES
@@ -352,22 +353,19 @@ class LayerCosts:
         """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
         one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
         found = self.fastest(start, end, submesh, logical)
-        if not found or not self._squeezes(start, end, submesh, logical):
+        if not found or not self._squeezes(found[0], end):
             return found
         layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
         return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
 
-    def _squeezes(self, start: int, end: int, submesh: tuple, logical: tuple) -> bool:
-        """Whether the DP gets squeezed alternatives of this stage (the class docstring)."""
-        found = self.fastest(start, end, submesh, logical)
-        if not found:
-            return False
-        (first,) = found
+    def _squeezes(self, fastest: StageCost, end: int) -> bool:
+        """Whether the DP gets squeezed alternatives of a stage ending at layer `end`, given
+        its cost at its layers' fastest plans (the class docstring)."""
         most_in_flight = 1 + self.parts.num_layers - end
-        fits = first.static_memory_bytes + most_in_flight * first.activation_memory_bytes
+        need = fastest.static_memory_bytes + most_in_flight * fastest.activation_memory_bytes
         # even at its fastest, a plan with this stage would be no better than the bound:
-        hopeless = self.config.num_micro_batches * first.latency_s >= self.step_bound_s
-        return fits > self.device_memory and not hopeless
+        hopeless = self.config.num_micro_batches * fastest.latency_s >= self.step_bound_s
+        return need > self.device_memory and not hopeless
 
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
