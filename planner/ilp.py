@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pulp
@@ -302,10 +302,15 @@ class IntraOpIlp:
             for step in worst[:width]:
                 cut[step] = self._add_memory_cut(prob, s, step, bound)
 
-    def solve(self, budget_bytes: float, deadline: float | None = None) -> Solution | None:
+    def solve(
+        self,
+        budget_bytes: float,
+        deadline: float | None = None,
+        forbidden: Mapping[int, Sequence[int]] | None = None,
+    ) -> Solution | None:
         """The least-time choices whose memory fits `budget_bytes` per device; None if none do.
         Its rounds share the time until `deadline` (`time.perf_counter()`; default: the time
-        limit from now).
+        limit from now). `forbidden[c]`: choices of class c left out of this solve.
 
         Solving again with a budget no larger reuses the model and the cuts found so far."""
         start = time.perf_counter()
@@ -315,6 +320,9 @@ class IntraOpIlp:
         for constraint in self._cuts.values():  # the same cuts, at the new bound
             constraint.constant += (self._budget - budget_bytes) / _MIB
         self._budget = budget_bytes
+        left_out = [s[c][k] for c, ks in (forbidden or {}).items() for k in ks]
+        for var in left_out:
+            var.upBound = 0
         try:
             result = self._cut_loop(
                 prob,
@@ -336,6 +344,9 @@ class IntraOpIlp:
                 budget_bytes,
                 least,
             ) from None
+        finally:
+            for var in left_out:
+                var.upBound = 1
         if result is None:
             return None
         choices, optimal, rounds = result

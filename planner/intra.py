@@ -50,6 +50,7 @@ from autopar.planner.ilp import (
     EdgeClass,
     IntraOpIlp,
     MemoryModel,
+    Solution,
 )
 from autopar.planner.memory import Liveness, held_values, liveness, value_aval
 from autopar.planner.menus import Costs, Edge, MenuBuilder
@@ -301,6 +302,35 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
     return buffers
 
 
+def _whole_accumulators(problem: _Problem) -> list[tuple[int, None, np.ndarray, int, int]]:
+    """A gradient reduce-scattered once per step is accumulated whole on each device, from the
+    step's start until its gradients are done: per choice, (group, None, extra bytes beyond its
+    slice, 0, last gradient step). A gradient of several sums has one accumulator: each sum's
+    share is counted (in its boundary's dtype; the chain keeps the element count)."""
+    chain_of = {n: chain for chain in problem.chains for n in chain.sums}
+    grouping, builder = problem.grouping, problem.builder
+    buffers = []
+    for group in grouping.groups:
+        menu = builder.menu(group)
+        sizes = np.zeros(len(menu))
+        for j, member in enumerate(group.members):
+            chain = chain_of.get(member)
+            if chain is None:
+                continue
+            aval = grouping.graph.node(member).out_avals[0]
+            itemsize = grouping.graph.node(chain.boundary).in_avals[chain.position].dtype.itemsize
+            for k, strategies in enumerate(menu.strategies):
+                s = strategies[j]
+                if s.accumulated and s.reduce_scatters:
+                    spec = s.out_specs[0]
+                    whole = builder.spec_bytes(aval.shape, 1, without_axes(spec, s.partial_axes))
+                    extra = whole - builder.spec_bytes(aval.shape, 1, spec)
+                    sizes[k] += extra * itemsize / len(chain.sums)
+        if sizes.any():
+            buffers.append((group.index, None, sizes, 0, problem.grad_end))
+    return buffers
+
+
 @dataclasses.dataclass(frozen=True)
 class Stash:
     """A pipeline stage's activations held by its other micro-batches in flight: the results of
@@ -332,10 +362,14 @@ class _Memory:
                 (g, lv, stash.copies * sizes)
                 for g, lv, sizes in (_value_bytes(problem, v) for v in held)
             ]
-        self.temps = [
-            (*_value_bytes(problem, value), start, end)
-            for value, start, end in problem.live.temporaries
-        ] + _unreduced_sums(problem)
+        self.temps = (
+            [
+                (*_value_bytes(problem, value), start, end)
+                for value, start, end in problem.live.temporaries
+            ]
+            + _unreduced_sums(problem)
+            + _whole_accumulators(problem)
+        )
 
     def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
         steps = self.problem.live.num_steps
@@ -471,30 +505,10 @@ class ShardingProblem:
         of its budget corrections share one time limit."""
         start = time.perf_counter()
         program, problem = self.program, self.problem
-        target = budget
-        deadline = start + self.ilp.time_limit_s
-        for _ in range(1 + _BUDGET_CORRECTIONS):
-            solution = self.ilp.solve(target, deadline)
-            if solution is None:
-                if target == budget:
-                    # The ILP's memory is a lower bound of the emitted plan's (which adds
-                    # resharded copies): nothing fits, the least-memory plan included.
-                    return None
-                break
-            choice = solution.choices[self.memory.cls]
-            stage, predicted = _emit(program, problem, self.mesh_plan, self.memory, choice)
-            excess = predicted.memory_per_device_bytes - budget
-            if excess <= 0:
-                break
-            # The ILP does not see resharded copies (gathered parameters): ask it for less.
-            target -= excess
-        if solution is None or excess > 0:
-            # The corrections ran out, or asked the ILP for less than it can do: the plan of
-            # least memory is the answer where it fits, so None means nothing fits.
-            choice, stage, predicted = self._least_memory_plan()
-            if predicted.memory_per_device_bytes > budget:
-                return None
-            solution = None
+        found = self._fitting_plan(budget, start + self.ilp.time_limit_s)
+        if found is None:
+            return None
+        solution, choice, stage, predicted = found
         if self.reduce_scatter_once:
             stage, predicted = self._scatter_once(choice, budget, stage, predicted)
         elapsed = self.build_seconds + time.perf_counter() - start
@@ -529,11 +543,67 @@ class ShardingProblem:
             notes=(note,),
         )
 
+    def _emitted(
+        self, target: float, deadline: float, forbidden: dict[int, list[int]] | None
+    ) -> tuple[Solution, np.ndarray, StagePlan, Predicted] | None:
+        """The ILP's fastest choices within `target` and their plan as emitted (None: no
+        choices fit `target`)."""
+        solution = self.ilp.solve(target, deadline, forbidden)
+        if solution is None:
+            return None
+        choice = solution.choices[self.memory.cls]
+        stage, predicted = _emit(self.program, self.problem, self.mesh_plan, self.memory, choice)
+        return solution, choice, stage, predicted
+
+    def _fitting_plan(
+        self, budget: float, deadline: float
+    ) -> tuple[Solution | None, np.ndarray, StagePlan, Predicted] | None:
+        """The fastest plan found whose emitted memory fits `budget` (None: none does).
+
+        The ILP does not see resharded copies (gathered parameters), so its plan may not fit as
+        emitted: it is asked for less by the excess, a few times (like plans have like copies).
+        Where that fails with gradients reduced once from whole accumulators in the menus (their
+        plans may gather more than the ILP sees), it is tried again without them; the pass after
+        the ILP adds those that fit (`_scatter_once`). The plan of least memory is the last
+        resort, so None means nothing fits. The solves share `deadline`."""
+        twins = self._whole_accumulator_choices()
+        for forbidden in (None, twins) if twins else (None,):
+            target = budget
+            for _ in range(1 + _BUDGET_CORRECTIONS):
+                found = self._emitted(target, deadline, forbidden)
+                if found is None:
+                    if target == budget and forbidden is None:
+                        # The ILP's memory is a lower bound of the emitted plan's: none fits.
+                        return None
+                    break
+                excess = found[3].memory_per_device_bytes - budget
+                if excess <= 0:
+                    return found
+                target = min(target, float(self.memory.evaluate(found[0].choices).max())) - excess
+        choice, stage, predicted = self._least_memory_plan()
+        if predicted.memory_per_device_bytes > budget:
+            return None
+        return None, choice, stage, predicted
+
+    def _whole_accumulator_choices(self) -> dict[int, list[int]]:
+        """Per class, the menu's choices that reduce-scatter a gradient once per step."""
+        found = {}
+        for group in self.problem.grouping.groups:
+            menu = self.problem.builder.menu(group)
+            found[group.cls] = [
+                k
+                for k, strategies in enumerate(menu.strategies)
+                if any(s.accumulated and s.reduce_scatters for s in strategies)
+            ]
+        return {c: ks for c, ks in found.items() if ks}
+
     def _scatter_once(
         self, choice: np.ndarray, budget: float, stage: StagePlan, predicted: Predicted
     ) -> tuple[StagePlan, Predicted]:
-        """The plan with its reduce-scattered gradients reduced once per step instead, largest
-        first, as far as their whole accumulators fit in what `budget` leaves."""
+        """The plan with more of its split-stored gradients reduced once per step, largest
+        first, as far as their whole accumulators fit in what `budget` leaves: those the ILP's
+        menus cannot choose so (a gradient summed in several groups, or all-reduced and then
+        stored split)."""
         problem = self.problem
         chosen = _chosen_strategies(problem, choice)
         room = budget - predicted.memory_per_device_bytes
@@ -639,12 +709,15 @@ def _scatter_once_candidates(
     problem: _Problem, chosen: dict[str, Strategy], stage: StagePlan
 ) -> list[tuple[GradientChain, float]]:
     """Gradients stored split that are reduced per micro-batch, with the extra bytes their
-    whole accumulators would take if they were reduced once per step."""
+    whole accumulators would take if they were reduced once per step. (Those the ILP chose to
+    reduce once are not: their accumulators are in the plan's memory already.)"""
     found = []
     for chain in problem.chains:
         axes = _same_axes_sums(chain, chosen)
         spec = stage.node_output_specs[chain.boundary][chain.position]
         if axes is None or spec is None:
+            continue
+        if all(chosen[n].accumulated and chosen[n].reduce_scatters for n in chain.sums):
             continue
         extra = _whole_accumulator_bytes(problem, chain, spec, axes)
         if extra > 0:
@@ -660,15 +733,15 @@ def _sums_reduced_once(
 ) -> set[str]:
     """The gradient sums reduced once per step: those chosen so, where every sum of their
     gradient is, over the same axes (otherwise the gradient's partial sums could not be added
-    up unreduced), and where the gradient is stored split, only those `scattered_once` grants
-    (their whole accumulators cost memory)."""
+    up unreduced), and where the gradient is stored split, only reduce-scatters the ILP chose
+    so (it charged their whole accumulators) or those `scattered_once` grants."""
     once: set[str] = set()
     for chain in problem.chains:
         axes = _same_axes_sums(chain, chosen)
         if axes is None or not all(chosen[n].accumulated for n in chain.sums):
             continue
         whole = _whole_accumulator_bytes(problem, chain, boundary_spec(chain), axes) > 0
-        if not whole or set(chain.sums) <= scattered_once:
+        if not whole or all(n in scattered_once or chosen[n].reduce_scatters for n in chain.sums):
             once.update(chain.sums)
     return once
 
@@ -696,6 +769,8 @@ def _emit(
     node_inputs: dict[str, tuple[Spec | None, ...]] = {}
     partial_sums: dict[str, PartialSumLowering] = {}
     chosen = _chosen_strategies(problem, choice)
+    # Reduce-scatters the ILP chose to reduce once: `_Memory` counts their whole accumulators.
+    counted = {n for n, s in chosen.items() if s.accumulated and s.reduce_scatters}
     for node_id in scattered_once:
         chosen[node_id] = dataclasses.replace(chosen[node_id], accumulated=True)
 
@@ -804,7 +879,8 @@ def _emit(
         axes = unreduced[chain.nodes[0]]
         seconds, nbytes = builder.sum_cost(aval.shape, aval.dtype.itemsize, spec, axes)
         totals.add_comm((), seconds, nbytes, builder.overlaps)
-        accumulators += _whole_accumulator_bytes(problem, chain, spec, axes)
+        uncounted = 1 - len(counted.intersection(chain.sums)) / len(chain.sums)
+        accumulators += uncounted * _whole_accumulator_bytes(problem, chain, spec, axes)
     reshard_temps[0] += accumulators
     reshard_temps[problem.grad_end + 1] -= accumulators
     sig = program.signature

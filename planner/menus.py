@@ -16,9 +16,9 @@ runs per step (gradient accumulation runs the gradient part once per micro-batch
 
 With micro-batches, a gradient's all-reduce runs once per step (`Strategy.accumulated`): partial
 sums are added up on each device and reduced after the last micro-batch, at no memory cost (the
-accumulator is whole either way). A reduce-scatter stays per micro-batch here; reducing it once
-needs a whole accumulator instead of a slice, which `intra.ShardingProblem` grants after the ILP
-where the memory budget has room.
+accumulator is whole either way). A reduce-scatter may run either way: per micro-batch into a
+slice of the gradient, or once per step from a whole accumulator, which costs memory; the menu
+lists both and the ILP chooses within its memory budget.
 """
 
 from __future__ import annotations
@@ -180,28 +180,42 @@ class MenuBuilder:
                 specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
             strategies.append(tuple(chosen))
             value_specs.append(specs)
-        return self._accumulate_all_reduces(
+        return self._accumulate_sums(
             group, self._batch_split_only(group, Menu(strategies, value_specs))
         )
 
-    def _accumulate_all_reduces(self, group: Group, menu: Menu) -> Menu:
-        """The group's gradient sums that are all-reduced, reduced once per step instead
-        (module docstring)."""
+    def _accumulate_sums(self, group: Group, menu: Menu) -> Menu:
+        """The group's gradient sums reduced once per step instead of per micro-batch (module
+        docstring): all-reduced ones in every choice; a choice that reduce-scatters one gets a
+        twin that reduces it once too, appended, whose whole accumulator the memory model
+        charges (`intra._Memory`), so the ILP weighs the traffic saved against that memory."""
         members = {j for j, m in enumerate(group.members) if m in self.accumulable}
         if not members:
             return menu
-        strategies = [
-            tuple(
-                dataclasses.replace(s, accumulated=True)
-                if j in members
-                and split_size(self.mesh, s.partial_axes) > 1
-                and not s.reduce_scatters
-                else s
-                for j, s in enumerate(choice)
+
+        def summed(j: int, s: Strategy) -> bool:
+            return j in members and split_size(self.mesh, s.partial_axes) > 1
+
+        strategies, value_specs = [], list(menu.value_specs)
+        twins = []
+        for choice, specs in zip(menu.strategies, menu.value_specs, strict=True):
+            strategies.append(
+                tuple(
+                    dataclasses.replace(s, accumulated=True)
+                    if summed(j, s) and not s.reduce_scatters
+                    else s
+                    for j, s in enumerate(choice)
+                )
             )
-            for choice in menu.strategies
-        ]
-        return Menu(strategies, menu.value_specs)
+            if any(summed(j, s) and s.reduce_scatters for j, s in enumerate(choice)):
+                twins.append(
+                    tuple(
+                        dataclasses.replace(s, accumulated=True) if summed(j, s) else s
+                        for j, s in enumerate(choice)
+                    )
+                )
+                value_specs.append(specs)
+        return Menu(strategies + twins, value_specs)
 
     def _batch_split_only(self, group: Group, menu: Menu) -> Menu:
         """With a forced batch axis, the choices that split the group's batch dims over exactly

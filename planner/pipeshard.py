@@ -123,7 +123,7 @@ def stash_bytes(stage: StageProgram, plan: StagePlan) -> float:
 def state_bytes(stage: StageProgram, plan: StagePlan) -> float:
     """Per-device bytes that live through the whole step: the state the stage reads (parameters,
     optimizer state) as stored, plus its gradient accumulators (whole where a gradient stored
-    split waits for the last micro-batch to be reduce-scattered, `intra._scatter_once`)."""
+    split waits for the last micro-batch to be reduce-scattered)."""
     mesh = logical_mesh_of(plan.mesh)
     invars = stage.closed.jaxpr.invars
     total = 0.0
