@@ -52,7 +52,7 @@ from autopar.planner.ilp import (
     MemoryModel,
     Solution,
 )
-from autopar.planner.memory import Liveness, held_values, liveness, value_aval
+from autopar.planner.memory import Liveness, held_values, liveness, top_eqn, value_aval
 from autopar.planner.menus import Costs, Edge, MenuBuilder
 from autopar.planner.plan import (
     MeshPlan,
@@ -351,6 +351,7 @@ class _Memory:
 
     def __init__(self, problem: _Problem, stash: Stash | None) -> None:
         self.problem = problem
+        self.num_forward = None if stash is None else stash.num_forward
         groups = problem.grouping.groups
         self.cls = np.array([g.cls for g in groups])
         inputs = [_value_bytes(problem, input_value(g.leader)) for g in groups if g.is_input]
@@ -835,7 +836,10 @@ def _emit(
             # CSE the reshards inside it with those outside: the backward pass reshards a forward
             # value again (e.g. an MoE's dispatched tokens for its expert weights' gradients).
             # A parameter use gathers on its own (a regather inside remat is not CSE'd away).
-            key = node.id if node.id in aliases else (value, need, node.remat_region)
+            # A pipeline stage's forward and backward parts are separate executables: each
+            # reshards a value that both read.
+            part = None if memory.num_forward is None else top_eqn(node.id) < memory.num_forward
+            key = node.id if node.id in aliases else (value, need, node.remat_region, part)
             seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
             if key not in resharded:
                 resharded.add(key)

@@ -258,15 +258,15 @@ def held_values(grouping: Grouping, num_forward: int) -> list[Value]:
     with several micro-batches in flight holds one copy per micro-batch."""
     held: dict[Value, None] = {}
     for node in grouping.planned_nodes():
-        if _top(node.id) < num_forward:
+        if top_eqn(node.id) < num_forward:
             continue
         for ref in node.inputs:
             value = grouping.value_of(ref)
-            if value is not None and value[0] is not None and _top(value[0]) < num_forward:
+            if value is not None and value[0] is not None and top_eqn(value[0]) < num_forward:
                 held[value] = None
     return list(held)
 
 
-def _top(node_id: str) -> int:
+def top_eqn(node_id: str) -> int:
     """The top-level eqn a node comes from (ids are eqn paths, `graph`)."""
     return int(node_id.split("/")[0])

@@ -156,6 +156,11 @@ def accumulating_step(
             tied, micro_batch = jax.lax.optimization_barrier(
                 ([env[v] for v in step_inputs], micro_batch)
             )
+            # Stored as planned: unpinned, XLA would lay a micro-batch out as its first reader
+            # wants and then regather it for the others (in the backward pass).
+            micro_batch = [
+                constrain(x, s) for x, s in zip(micro_batch, batch_shardings, strict=True)
+            ]
             local = dict(env)
             local.update(zip(step_inputs, tied, strict=True))
             local.update(zip(batch_vars, micro_batch, strict=True))

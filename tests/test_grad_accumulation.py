@@ -324,3 +324,32 @@ def test_whole_accumulators_are_counted_once_whoever_chose_them(monkeypatch):
     assert by_ilp.stages[0].node_output_specs == by_pass.stages[0].node_output_specs
     assert set(by_pass.stages[0].gradient_reduction.values()) == {ONCE_PER_STEP}
     assert by_ilp.predicted == by_pass.predicted
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        autopar.ShardParallel(num_micro_batches=16),
+        autopar.PipeshardParallel(
+            num_micro_batches=1,
+            layer_option=autopar.AutoLayerOption(layer_num=2),
+            stage_option=autopar.UniformStageOption(2),
+        ),
+    ],
+    ids=["shard_parallel_k16", "two_stages_k1"],
+)
+def test_default_plans_predict_the_hlo_bytes(method):
+    """Plans made with default options move the bytes they predict: a micro-batch's inputs stay
+    in their planned layout inside the loop (else XLA lays them out for their first reader and
+    regathers them for the backward pass), and a stage's backward executable reshards again
+    what its forward one resharded."""
+    executable, params, serial = _run(method, (128, 256, 512))
+    assert relative_error(params, serial) <= 1e-5
+    moved = executable.collective_bytes_per_step()
+    stages = executable.plan.stages
+    if isinstance(moved, dict):
+        assert _total(moved) == pytest.approx(executable.plan.predicted.communication_bytes)
+    else:
+        for stage, hlo in zip(stages, moved, strict=True):
+            assert _total(hlo) == pytest.approx(stage.predicted.communication_bytes)
+    assert _total(moved if isinstance(moved, dict) else moved[0]) > 0
