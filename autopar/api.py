@@ -44,12 +44,15 @@ from autopar.tracing import (
     abstract_value,
     argument_names,
     check_batch_leaves,
+    is_array_like,
     resolve_argnums,
     trace_step,
     traced_leaves,
 )
 
 logger = logging.getLogger(__name__)
+
+_MAX_SIGNATURES = 256  # call signatures remembered per parallelized function
 
 Argnums = Sequence[int] | str
 
@@ -289,6 +292,41 @@ def _shape_key(x: Any) -> tuple:
     return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 
+def _call_signature(args: Sequence[Any]) -> tuple[list[Any], Any]:
+    """All leaves of `args`, and a key that equal calls share: the runtime's session, the tree
+    structure, each array leaf's shape, dtype and weak type, and every other leaf's type and
+    value (static leaves are part of the program). None where a leaf cannot be hashed."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    signature = []
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            signature.append((x.shape, x.dtype, getattr(x, "weak_type", False)))
+        elif is_array_like(x):
+            signature.append(_shape_key(x))
+        else:
+            signature.append((type(x), x))
+    key = (current_runtime().session, treedef, tuple(signature))
+    try:
+        hash(key)
+    except TypeError:
+        return leaves, None
+    return leaves, key
+
+
+def _input_positions(args: Sequence[Any], static: tuple[int, ...]) -> tuple[int, ...]:
+    """Where the executable's flat inputs (`ArrayTree.flatten` of the dynamic arguments) sit
+    among the leaves of all of `args`."""
+    positions, offset = [], 0
+    for i, arg in enumerate(args):
+        count = jax.tree_util.tree_structure(arg).num_leaves
+        if i not in static:
+            tree = ArrayTree.of(arg)
+            held = {j for j, _ in tree.statics}
+            positions += [offset + j for j in range(count) if j not in held]
+        offset += count
+    return tuple(positions)
+
+
 def _unhashable(names: Sequence[str], args: Sequence[Any], static: tuple[int, ...]) -> str:
     """The path of the first static argument or static leaf that cannot be hashed."""
     for i, arg in enumerate(args):
@@ -336,6 +374,9 @@ class ParallelizedFunc:
         self._batch_argnums = tuple(batch_argnums)
         self._executables: dict[Any, Executable] = {}
         self._plans: dict[Any, tuple[TracedStep, Plan]] = {}
+        # Per call signature (`_call_signature`): the executable and where its flat inputs
+        # sit among all the arguments' leaves, so that a repeated call skips `_key`'s walk.
+        self._dispatch: dict[Any, tuple[Executable, tuple[int, ...]]] = {}
 
     @property
     def batch_argnums(self) -> tuple[int, ...]:
@@ -422,7 +463,17 @@ class ParallelizedFunc:
     def __call__(self, *args: Any) -> Any:
         if self._creator is not None:
             return self._creator(*args)
-        executable, leaves = self._executable(args, *self._key(args, self._argnums(args)[0]))
+        all_leaves, signature = _call_signature(args)
+        found = self._dispatch.get(signature) if signature is not None else None
+        if found is not None:
+            executable, positions = found
+            return executable.call_flat([all_leaves[p] for p in positions])
+        static = self._argnums(args)[0]
+        executable, leaves = self._executable(args, *self._key(args, static))
+        if signature is not None:
+            if len(self._dispatch) >= _MAX_SIGNATURES:  # leaves hashed by identity, new per call
+                self._dispatch.clear()
+            self._dispatch[signature] = (executable, _input_positions(args, static))
         return executable.call_flat(leaves)
 
     def preshard_dynamic_args(self, *args: Any) -> tuple[Any, ...]:

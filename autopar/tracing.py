@@ -58,7 +58,7 @@ def traced_leaves(tree: Any) -> list[bool]:
 
 
 def _traced(x: Any, in_module: bool) -> bool:
-    if _is_array_like(x):
+    if is_array_like(x):
         return True
     number = isinstance(x, int | float | complex) and not isinstance(x, bool)
     return number and not in_module
@@ -86,12 +86,17 @@ class ArrayTree:
 
     def flatten(self, tree: Any) -> list[Any]:
         """The traced leaves of `tree` (shaped like this one), in order."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        if not self.statics:
+            return leaves
         static = {i for i, _ in self.statics}
-        return [x for i, x in enumerate(jax.tree_util.tree_leaves(tree)) if i not in static]
+        return [x for i, x in enumerate(leaves) if i not in static]
 
     def unflatten(self, values: Sequence[Any], *, with_statics: bool = True) -> Any:
         """The tree with `values` as its traced leaves; static leaves are put back (or None,
         for trees of shardings)."""
+        if not self.statics:
+            return jax.tree_util.tree_unflatten(self.treedef, values)
         values = iter(values)
         statics = dict(self.statics)
         leaves = [
@@ -157,7 +162,9 @@ def abstract_arguments(args: Sequence[Any], static: Sequence[int]) -> tuple[Any,
     return tuple(a if i in static else jax.tree.map(leaf, a) for i, a in enumerate(args))
 
 
-def _is_array_like(x: Any) -> bool:
+def is_array_like(x: Any) -> bool:
+    """An array, or an object that stands for one (a numpy scalar, a ShapeDtypeStruct, a Ray
+    `RemoteArray`)."""
     return isinstance(
         x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
     ) or isinstance(getattr(x, "aval", None), jax.core.ShapedArray)
@@ -208,7 +215,7 @@ def check_batch_leaves(arg_name: str, arg: Any, num_micro_batches: int) -> None:
     """Every leaf of a batch argument must be an array whose dim 0 splits into micro-batches."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
         where = f"{arg_name}{jax.tree_util.keystr(path)}"
-        if not _is_array_like(leaf):
+        if not is_array_like(leaf):
             raise InvalidArgumentError(
                 f"batch argument leaf {where} is a {type(leaf).__name__}, not an array: every "
                 "leaf of a batch argument must be an array whose dim 0 is the batch; pass other "

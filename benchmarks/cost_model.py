@@ -243,6 +243,15 @@ def _write(spec, profile, rows, tau, coll) -> None:
         f"| transcendentals (exp) | {spec.transcendental_rate / 1e9:.2f} Gelement/s |",
         f"| convolution (3x3, 64 channels) | {spec.conv_flops / 1e9:.1f} GFLOP/s |",
         f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
+        f"| weight-gradient matmul (x^T·y, fp32) | {spec.transposed_matmul_flops / 1e9:.1f} "
+        "GFLOP/s |",
+        f"| first writes to fresh memory (from {spec.fresh_memory_threshold / 2**20:.0f} MiB) | "
+        + (
+            "free (pooled)"
+            if spec.fresh_memory_rate is None
+            else f"{spec.fresh_memory_rate / 1e9:.2f} GB/s"
+        )
+        + " |",
         "",
         "| model | predicted | measured | predicted / measured |",
         "|---|---:|---:|---:|",

@@ -9,12 +9,22 @@ peak for its dtype (`peak_flops`: 16-bit, TF32 or fp32) times `compute_efficienc
 bytes it moves at `memory_bandwidth` times `memory_efficiency`, plus `kernel_overhead_s` per
 kernel. Three op classes run at rates of their own where a spec gives them (achieved rates, which
 the efficiencies do not scale): element-wise transcendentals (`exp`, `tanh`, ...) at
-`transcendental_rate` elements/s, convolutions at `conv_flops`, and transposes that move the minor
-(contiguous) dimension at `transpose_bandwidth`. The fields after `platform` have defaults that
+`transcendental_rate` elements/s, convolutions at `conv_flops`, transposes that move the minor
+(contiguous) dimension at `transpose_bandwidth`, and matmuls whose lhs contracts a dimension other
+than its minor one (a weight gradient x^T·dy, which XLA:CPU runs outside its fast matmul kernels)
+at `transposed_matmul_flops`. The fields after `platform` have defaults that
 reproduce the FLOP-only model older plan files were priced with (memory bandwidth unknown, so
 memory-bound work is free; transcendentals one FLOP per element, convolutions at the matmul peak,
 transposes folded into their readers): the presets and `autopar.profile_cluster()` give real
 figures.
+
+A step also writes its temporaries, and on a CPU that costs more than bandwidth where the
+allocator hands them out afresh every step: glibc maps an allocation of `fresh_memory_threshold`
+bytes or more (its largest dynamic mmap threshold, 32 MiB) from the kernel and unmaps it when
+freed, so every step's first write to each of its pages faults and zeroes it. XLA:CPU allocates
+a step's temporaries as one block, so a step whose temporaries reach the threshold pays their
+bytes at `fresh_memory_rate` (`autopar.planner.roofline.fresh_memory_s`). GPU runtimes keep a
+pool of device memory: None there, and no cost.
 
 Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
 `autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
@@ -36,7 +46,10 @@ from typing import Any
 
 _INT_FIELDS = ("num_hosts", "devices_per_host")
 PLATFORMS = ("gpu", "cpu")
-_POSITIVE_FIELDS = ("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth")
+_POSITIVE_FIELDS = (
+    *("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth"),
+    "fresh_memory_threshold",
+)
 _NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency", "kernel_overhead_s")
 _OPTIONAL_POSITIVE_FIELDS = (
     "memory_bandwidth",
@@ -45,8 +58,11 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "transcendental_rate",
     "conv_flops",
     "transpose_bandwidth",
+    "transposed_matmul_flops",
+    "fresh_memory_rate",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
+GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
 _SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
 
@@ -80,6 +96,9 @@ class ClusterSpec:
     transcendental_rate: float | None = None  # elements/s of exp & co.; None: 1 FLOP each
     conv_flops: float | None = None  # FLOP/s of a convolution; None: the matmul peak
     transpose_bandwidth: float | None = None  # bytes/s moving the minor dim; None: folded, free
+    transposed_matmul_flops: float | None = None  # lhs contracting its major dim; None: peak
+    fresh_memory_rate: float | None = None  # bytes/s of first writes to fresh pages; None: free
+    fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:

@@ -65,7 +65,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
-from autopar.planner.roofline import Roofline
+from autopar.planner.roofline import Roofline, fresh_memory_s
 from autopar.planner.strategy import Strategy, split_size, storage_specs, without_axes
 from autopar.planner.summary import format_bytes
 
@@ -919,11 +919,17 @@ def _emit(
     )
     compute, blocking, overlap, comm_bytes = totals.at(())
     per_step = memory.evaluate_groups(choice) + np.cumsum(reshard_temps)[: problem.live.num_steps]
+    peak = float(per_step.max()) if len(per_step) else 0.0
+    inputs = sum(
+        builder.spec_bytes(a.shape, a.dtype.itemsize, spec)
+        for a, spec in zip(sig.input_avals, stage.input_specs, strict=True)
+    )
+    compute += fresh_memory_s(peak - inputs, builder.roofline.cluster)
     predicted = Predicted(
         step_time_s=compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute),
         compute_s=compute,
         communication_s=blocking + overlap,
-        memory_per_device_bytes=float(per_step.max()) if len(per_step) else 0.0,
+        memory_per_device_bytes=peak,
         communication_bytes=comm_bytes,
         flops=flops,
     )

@@ -8,7 +8,7 @@ launches nothing; an operand computed inside the reader's fusion is not read fro
 element-wise chain is one kernel that reads its inputs and writes its result once, and the
 optimizer update (element-wise over every parameter and both Adam moments) is memory-bound.
 
-Three op classes do not run at the matmul peak or the streaming bandwidth, and a spec that
+Four op classes do not run at the matmul peak or the streaming bandwidth, and a spec that
 measured them (`autopar.profile_cluster()`) prices them at their own rates:
 
 * transcendentals (XLA's class: `exp`, `log`, `tanh`, `logistic`, `erf`, `sqrt`, ...) take
@@ -18,7 +18,10 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
 * a transpose that moves the minor (contiguous) dimension reads with a stride, which XLA:CPU does
   element by element, at `transpose_bandwidth` bytes (read + written) per second, whether it is
   materialized or fused into its reader's loop. A transpose of a contraction's result, or one
-  that only contractions read, stays free: XLA has the dot write or read it transposed.
+  that only contractions read, stays free: XLA has the dot write or read it transposed;
+* a matmul whose lhs contracts a dimension other than its minor one (a weight gradient x^T·dy)
+  runs at `transposed_matmul_flops`: XLA:CPU leaves it to Eigen, at a fraction of its matmul
+  kernels' rate.
 
 Per-device bytes depend on how each operand and output is split, which the caller knows: the
 ILP's menus from a strategy's specs, the data-parallel methods from the batch dims.
@@ -63,10 +66,27 @@ def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec
     return max(compute, nbytes / (cluster.memory_bandwidth * cluster.memory_efficiency))
 
 
+def fresh_memory_s(temp_bytes: float, cluster: ClusterSpec) -> float:
+    """Seconds a step spends faulting in its `temp_bytes` of temporaries (one block) where the
+    allocator maps them afresh every step: from `fresh_memory_threshold` bytes, at
+    `fresh_memory_rate` (see `autopar.planner.cluster`); 0 where memory is pooled."""
+    if cluster.fresh_memory_rate is None or temp_bytes < cluster.fresh_memory_threshold:
+        return 0.0
+    return temp_bytes / cluster.fresh_memory_rate
+
+
 def _highest_precision(node: OpNode) -> bool:
     precision = node.params.get("precision")
     names = [str(p) for p in (precision if isinstance(precision, tuple) else (precision,))]
     return any("HIGHEST" in name for name in names)
+
+
+def _transposed_lhs(node: OpNode) -> bool:
+    """Whether a dot_general's lhs contracts a dimension other than its minor one."""
+    if node.primitive != "dot_general":
+        return False
+    (lhs_contracting, _), _ = node.params["dimension_numbers"]
+    return any(d != len(node.in_avals[0].shape) - 1 for d in lhs_contracting)
 
 
 def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
@@ -75,7 +95,10 @@ def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
     if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
         return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
-        return cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
+        peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
+        if cluster.transposed_matmul_flops is not None and _transposed_lhs(node):
+            return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)
+        return peak
     avals = node.out_avals or node.in_avals
     return cluster.peak_flops(avals[0].dtype) if avals else cluster.device_flops  # no FLOPs
 

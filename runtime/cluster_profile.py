@@ -4,13 +4,19 @@ The presets hold datasheet figures; a profile holds what this machine reaches, f
 model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an achieved rate, so
 `compute_efficiency` and `memory_efficiency` are 1:
 
-- `device_flops`, `tf32_flops`, `fp32_flops`: the best matmul rate over a few shapes in bf16,
+- `device_flops`, `tf32_flops`, `fp32_flops`: the median matmul rate over a few shapes in bf16,
   fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
 - `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
 - `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
 - `transcendental_rate`, `conv_flops`, `transpose_bandwidth`: the rates of the op classes the
   roofline prices on their own (`autopar.planner.roofline`): `exp` over a streaming buffer
   (elements/s), a 3x3 convolution (FLOP/s), transposes of 1 MiB planes (bytes/s);
+- `transposed_matmul_flops`: a float32 weight gradient x^T·y (its lhs contracts its major
+  dimension), FLOP/s;
+- `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
+  afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
+  per second of the extra time of a streaming kernel writing a new buffer over writing in place;
+  None where that costs nothing (memory pooled, as GPU runtimes do);
 - `intra_host_*` / `inter_host_*`: α (latency) and 1/β (bus bandwidth) fitted per physical
   mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather, reduce-scatter and
   all-to-all timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
@@ -28,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.planner.cluster import PLATFORMS, ClusterSpec
+from autopar.planner.cluster import GLIBC_MMAP_THRESHOLD, PLATFORMS, ClusterSpec
 from autopar.planner.cost import Collective
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.progress import progress_bar
@@ -50,11 +57,13 @@ from autopar.runtime.microbench import (
     StreamTiming,
     measure_collectives,
     measure_convolution,
+    measure_fresh_memory,
     measure_kernel_floor,
     measure_matmuls,
     measure_stream,
     measure_transcendental,
     measure_transpose,
+    measure_transposed_matmul,
     physical_mesh,
 )
 
@@ -154,7 +163,9 @@ class ClusterProfile:
             f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
             f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
-            f"{_si(s.transpose_bandwidth)}B/s",
+            f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
+            f"{_si(s.transposed_matmul_flops)}FLOP/s",
+            f"  fresh memory: {_fresh(s)}",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
             bandwidth, latency = (getattr(s, f) for f in fields)
@@ -228,8 +239,13 @@ def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
 
 
 def _peaks(matmul: Sequence[MatmulTiming]) -> dict[str, float]:
-    """The best rate of each `MatmulKind`, by the `ClusterSpec` field it sets."""
-    return {k.spec_field: max(t.flops_per_s for t in matmul if t.kind is k) for k in MatmulKind}
+    """The median rate of each `MatmulKind` over the shapes measured, by the `ClusterSpec`
+    field it sets. Not the best: one short timing that caught the machine between hiccups would
+    set it (a 512³ matmul once measured 760 GFLOP/s on two cores that reach 480)."""
+    return {
+        k.spec_field: statistics.median(t.flops_per_s for t in matmul if t.kind is k)
+        for k in MatmulKind
+    }
 
 
 def build_spec(
@@ -270,9 +286,18 @@ def build_spec(
         memory_efficiency=1.0,
         kernel_overhead_s=kernel.per_kernel_s,
         **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
-        **{t.kind.spec_field: t.rate for t in rates},
+        **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free
     )
     return spec, unmeasured
+
+
+def _fresh(spec: ClusterSpec) -> str:
+    if spec.fresh_memory_rate is None:
+        return "pooled (no cost)"
+    return (
+        f"temporaries of {_si(spec.fresh_memory_threshold)}B or more are faulted in at "
+        f"{_si(spec.fresh_memory_rate)}B/s every step"
+    )
 
 
 def _device_memory(devices: Sequence[jax.Device]) -> float:
@@ -348,9 +373,16 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         kernel = measure_kernel_floor(local, sizes)
         bar.update()
         rates = []
-        for measure in (measure_transcendental, measure_convolution, measure_transpose):
+        for measure in (
+            measure_transcendental,
+            measure_convolution,
+            measure_transpose,
+            measure_transposed_matmul,
+        ):
             rates.append(measure(local, sizes))
             bar.update()
+        rates.append(measure_fresh_memory(local, sizes, GLIBC_MMAP_THRESHOLD))
+        bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:
         bar.close()

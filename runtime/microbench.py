@@ -42,6 +42,9 @@ _TINY = 8  # side of the matmuls that measure the kernel floor
 # float32 planes (1 MiB: beyond one core's L2 cache, as a transposed activation is).
 _CONV_SIDE, _CONV_CHANNELS = 32, 64
 _TRANSPOSE_SIDE = 512
+# A weight gradient's matmul: (4096, 256)^T · (4096, 256), as a layer's input and output
+# gradient over a batch of tokens give it.
+_GRAD_ROWS, _GRAD_SIDE = 4096, 256
 
 
 class MatmulKind(enum.Enum):
@@ -158,6 +161,8 @@ class RateKind(enum.Enum):
     TRANSCENDENTAL = "transcendental"  # exp over a float32 buffer: elements per second
     CONVOLUTION = "convolution"  # a float32 3x3 convolution: FLOP/s
     TRANSPOSE = "transpose"  # float32 planes transposed: bytes read + written per second
+    TRANSPOSED_MATMUL = "transposed matmul"  # a float32 weight gradient x^T·y: FLOP/s
+    FRESH_MEMORY = "fresh memory"  # bytes/s of first writes to freshly mapped pages
 
     @property
     def spec_field(self) -> str:
@@ -165,6 +170,8 @@ class RateKind(enum.Enum):
             "transcendental": "transcendental_rate",
             "convolution": "conv_flops",
             "transpose": "transpose_bandwidth",
+            "transposed matmul": "transposed_matmul_flops",
+            "fresh memory": "fresh_memory_rate",
         }[self.value]
 
 
@@ -177,8 +184,10 @@ class RateTiming:
     seconds: float
 
     @property
-    def rate(self) -> float:
-        return self.work / self.seconds
+    def rate(self) -> float | None:
+        """work / seconds; None where the op cost nothing measurable (fresh memory on a runtime
+        that pools it)."""
+        return self.work / self.seconds if self.seconds > 0 else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,6 +367,40 @@ def measure_transpose(devices: Sequence[jax.Device], sizes: ProfileSizes) -> Rat
     step = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     seconds = _op_s(_per_device(mesh, 1), step, x, (), sizes, fusible=True)
     return RateTiming(RateKind.TRANSPOSE, 2 * 4 * planes * _TRANSPOSE_SIDE**2, seconds)
+
+
+def measure_transposed_matmul(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """x^T·y of two (`_GRAD_ROWS`, `_GRAD_SIDE`) float32 blocks: a weight gradient, whose lhs
+    contracts its major dimension (XLA:CPU runs it outside its fast matmul kernels): FLOP/s."""
+    mesh, d = _local_mesh(devices), len(devices)
+    x = _filled(mesh, (d * _GRAD_ROWS, _GRAD_SIDE), jnp.float32, 0.5)
+    y = _filled(mesh, (d * _GRAD_ROWS, _GRAD_SIDE), jnp.float32, 1.0 / _GRAD_ROWS)
+
+    def step(x, y):  # the (side, side) gradient written over x's first rows: it stays 0.5
+        grad = jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())))
+        return jax.lax.dynamic_update_slice(x, grad, (0, 0))
+
+    seconds = _op_s(_per_device(mesh, 2), step, x, (y,), sizes)
+    return RateTiming(RateKind.TRANSPOSED_MATMUL, 2 * _GRAD_ROWS * _GRAD_SIDE**2, seconds)
+
+
+def measure_fresh_memory(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, threshold: float
+) -> RateTiming:
+    """The streaming `x * a + b` over at least 1.25 `threshold` bytes per device (where glibc
+    maps an allocation afresh), writing a new buffer each call against writing x in place:
+    bytes written per second of the extra time, the page faults of the first touch. Less than
+    10% extra (a runtime that pools memory): seconds 0, no rate."""
+    mesh, d = _local_mesh(devices), len(devices)
+    elements = max(sizes.stream_bytes, int(1.25 * threshold)) // 4
+    x = _filled(mesh, (d * elements,), jnp.float32, 1.0)
+    a, b = _filled(mesh, (d,), jnp.float32, 1.0), _filled(mesh, (d,), jnp.float32, 0.0)
+    step = _per_device(mesh, 3)(lambda x, a, b: x * a + b)
+    in_place, x = _timed_calls(_compiled(step, x, (a, b)), x, (a, b), 1, sizes.repeats)
+    fresh = jax.jit(step).lower(x, a, b).compile()  # no donation: a new output every call
+    seconds, _ = _timed_calls(fresh, x, (a, b), 1, sizes.repeats)
+    extra = seconds - in_place
+    return RateTiming(RateKind.FRESH_MEMORY, 4 * elements, extra if extra > 0.1 * in_place else 0)
 
 
 def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:

@@ -29,6 +29,34 @@ def test_bare_decorator_and_executable_cache():
     assert first.input_shardings[1]["x"].mesh.size == 8
 
 
+def test_repeated_calls_skip_the_signature_walk_and_still_tell_calls_apart(monkeypatch):
+    """A call with the signature of an earlier one goes straight to its executable; a new
+    shape or a new static value is planned as before."""
+
+    def step(params, batch, scale):
+        loss, grads = autopar.value_and_grad(lambda p: jnp.mean((batch @ p) ** 2) * scale)(params)
+        return params - 0.1 * grads, loss
+
+    parallel = autopar.parallelize(step, static_argnums=(2,), donate_argnums=(), batch_argnums=(1,))
+    params = jnp.ones((4, 4))
+    batch = np.arange(32.0, dtype=np.float32).reshape(8, 4) / 32
+    first, _ = parallel(params, batch, 2.0)
+    planned = []
+    key = type(parallel)._key
+    monkeypatch.setattr(type(parallel), "_key", lambda *a: planned.append(a[2]) or key(*a))
+    second, loss = parallel(first, batch, 2.0)
+    assert planned == []  # same signature: no walk over the arguments
+    expected, expected_loss = jax.jit(step, static_argnums=2)(jnp.ones((4, 4)), batch, 2.0)
+    expected, expected_loss = jax.jit(step, static_argnums=2)(expected, batch, 2.0)
+    assert relative_error(second, expected) <= 1e-6
+    assert relative_error(loss, expected_loss) <= 1e-6
+    _, other_loss = parallel(second, batch, 3.0)  # a static value is part of the program
+    _, wider_loss = parallel(second, np.concatenate([batch, batch]), 2.0)  # a new shape
+    assert len(planned) == 2
+    assert float(other_loss) == pytest.approx(1.5 * float(parallel(second, batch, 2.0)[1]))
+    assert float(wider_loss) == pytest.approx(float(parallel(second, batch, 2.0)[1]))
+
+
 def test_markers_match_jax_outside_autopar():
     state, batch = mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8)
     ours = jax.jit(_step())(state, batch)

@@ -8,6 +8,7 @@ Measurements use `SMALL` sizes so the module runs in seconds; the defaults are w
 import dataclasses
 import json
 import re
+import statistics
 
 import jax
 import pytest
@@ -68,6 +69,8 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
     assert 1e6 < spec.transcendental_rate < 1e13  # elements/s
     assert 1e7 < spec.conv_flops < 1e14
     assert 1e6 < spec.transpose_bandwidth < 1e13
+    assert 1e7 < spec.transposed_matmul_flops < 1e14
+    assert spec.fresh_memory_rate is None or 1e6 < spec.fresh_memory_rate < 1e13
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14
 
@@ -77,8 +80,8 @@ def test_eight_devices_measure_every_collective_within_the_host(eight):
     check_plausible(spec)
     assert (spec.physical_mesh_shape, spec.name) == ((1, 8), "profiled-cpu-8")
     assert {t.kind for t in eight.matmul} == set(MatmulKind)
-    best_bf16 = max(t.flops_per_s for t in eight.matmul if t.kind is MatmulKind.BF16)
-    assert spec.device_flops == best_bf16
+    bf16 = [t.flops_per_s for t in eight.matmul if t.kind is MatmulKind.BF16]
+    assert spec.device_flops == statistics.median(bf16)  # robust to one lucky timing
     assert {(t.axis, t.kind, t.num_devices) for t in eight.collectives} == {
         (1, kind, 8) for kind in Collective
     }

@@ -22,6 +22,7 @@ A100 = ClusterSpec.preset("8xA100-80G")
 F32 = np.dtype("float32")
 
 _RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # added in format 8
+_FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memory_threshold")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -30,6 +31,7 @@ _ROOFLINE_FIELDS = (
     "memory_efficiency",
     "kernel_overhead_s",
     *_RATE_FIELDS,
+    *_FORMAT_9_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -129,6 +131,35 @@ def test_convolutions_run_at_the_measured_rate_not_the_matmul_peak():
     assert _compute_s(step, w, x, unmeasured) == pytest.approx(flops / peak + CPU.kernel_overhead_s)
 
 
+def test_weight_gradient_matmuls_run_at_the_measured_transposed_rate():
+    """x^T·y contracts x's major dim: priced at `transposed_matmul_flops`; x·w at the peak."""
+    spec = dataclasses.replace(CPU, transposed_matmul_flops=20e9)
+    x = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
+    flops = 2 * 4096 * 256 * 256
+    peak = spec.peak_flops(F32, matmul=True) * spec.compute_efficiency
+    gradient = lambda w, x: (w, jax.lax.dot_general(x, x, (((0,), (0,)), ((), ()))))  # noqa: E731
+    forward = lambda w, x: (w, x @ w)  # noqa: E731
+    overhead = spec.kernel_overhead_s
+    assert _compute_s(gradient, 0.0, x, spec) == pytest.approx(flops / 20e9 + overhead)
+    assert _compute_s(forward, _W, x, spec) == pytest.approx(flops / peak + overhead)
+    unmeasured = dataclasses.replace(spec, transposed_matmul_flops=None)
+    assert _compute_s(gradient, 0.0, x, unmeasured) == pytest.approx(flops / peak + overhead)
+
+
+def test_temporaries_mapped_afresh_each_step_cost_their_bytes_at_the_fresh_rate():
+    """From `fresh_memory_threshold` bytes of temporaries up, a step pays them at
+    `fresh_memory_rate` (page faults); below it, or with pooled memory, nothing."""
+    step, state, data = abstract_train_inputs(mlp, MLPConfig(256, 256, 256, 2), 4096)
+    spec = dataclasses.replace(CPU, fresh_memory_rate=1e9, fresh_memory_threshold=1.0)
+    plan = autopar.plan(step, state, data, cluster_spec=spec)
+    inputs = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((state, data)))
+    temporaries = plan.predicted.memory_per_device_bytes - inputs
+    assert temporaries > 4096 * 256 * 4  # activations of a layer at least
+    for free in (dataclasses.replace(spec, fresh_memory_threshold=1e15), CPU):
+        cheaper = autopar.plan(step, state, data, cluster_spec=free).predicted
+        assert plan.predicted.compute_s - cheaper.compute_s == pytest.approx(temporaries / 1e9)
+
+
 _W = jax.ShapeDtypeStruct((256, 256), jnp.float32)
 TRANSPOSES = {
     # name: (step, whether the transpose is priced at transpose_bandwidth)
@@ -203,7 +234,9 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
 
 
 @pytest.mark.parametrize(
-    "version, missing", [(6, _ROOFLINE_FIELDS), (7, _RATE_FIELDS)], ids=["format 6", "format 7"]
+    "version, missing",
+    [(6, _ROOFLINE_FIELDS), (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS)), (8, _FORMAT_9_FIELDS)],
+    ids=["format 6", "format 7", "format 8"],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
