@@ -19,9 +19,10 @@ from typing import Any
 Spec = tuple[tuple[str, ...] | None, ...]
 
 PLAN_FORMAT_VERSION = 9
-# Versions 6 and 7 differ only in their cluster dict, which lacks fields added since: 6 the
+# Versions 6 to 8 differ only in their cluster dict, which lacks fields added since: 6 the
 # roofline's figures (memory bandwidth, dtype peaks, efficiencies, kernel floor), 7 the rates of
-# transcendentals, convolutions and transposes. `ClusterSpec.from_dict` fills the defaults.
+# transcendentals, convolutions and transposes, 8 the weight-gradient matmul rate and the fresh
+# memory figures. `ClusterSpec.from_dict` fills the defaults.
 READABLE_FORMAT_VERSIONS = (6, 7, 8, PLAN_FORMAT_VERSION)
 
 

@@ -70,7 +70,7 @@ class MatmulKind(enum.Enum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProfileSizes:
     """How much `measure_cluster` measures. The defaults are what `profile_cluster` uses. Sizes
-    grow until one timed run of the next one (1 + `chain` ops) would take longer than
+    grow until one timed run of the next one (`chain` ops, and one to spare) would take longer than
     `max_run_s` (time grows as size³ for matmuls, as size for collectives; at least one matmul
     and two collective sizes are measured), so slow devices stay quick to profile and fast
     ones reach sizes that show their peak."""
