@@ -111,8 +111,37 @@ def _gather(node: OpNode, operand: int, dim: int) -> int | None:
     return None
 
 
+def _scatter(node: OpNode, operand: int, dim: int) -> int | None:
+    """Where a scatter keeps a batch dim (the dims its leader rule splits with the output): an
+    operand batching dim, or the index and update dims that go with one; a whole-window operand
+    dim, or the update window dim that goes with one."""
+    numbers = node.params["dimension_numbers"]
+    operand_aval, _, updates = node.in_avals
+    excluded = {*numbers.inserted_window_dims, *numbers.operand_batching_dims}
+    window = [d for d in range(len(operand_aval.shape)) if d not in excluded]
+    whole = {
+        d: u
+        for d, u in zip(window, numbers.update_window_dims, strict=True)
+        if d not in numbers.scatter_dims_to_operand_dims
+        and updates.shape[u] == operand_aval.shape[d]
+    }
+    if operand == 0:
+        return dim if dim in numbers.operand_batching_dims or dim in whole else None
+    if operand == 2 and dim in numbers.update_window_dims:
+        return next((d for d, u in whole.items() if u == dim), None)
+    scatter = [d for d in range(len(updates.shape)) if d not in numbers.update_window_dims]
+    index = dim if operand == 1 else scatter.index(dim)
+    if index not in numbers.scatter_indices_batching_dims:
+        return None
+    return numbers.operand_batching_dims[numbers.scatter_indices_batching_dims.index(index)]
+
+
 _MAPPERS = {
     "dot_general": _dot_general,
     "conv_general_dilated": _convolution,
     "gather": _gather,
+    **dict.fromkeys(
+        ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
+        _scatter,
+    ),
 }

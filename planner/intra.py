@@ -52,7 +52,16 @@ from autopar.planner.ilp import (
     MemoryModel,
     Solution,
 )
-from autopar.planner.memory import Liveness, held_values, liveness, top_eqn, value_aval
+from autopar.planner.memory import (
+    Liveness,
+    held_values,
+    live_bytes,
+    liveness,
+    top_eqn,
+    unreduced_sum_bytes,
+    value_aval,
+    whole_accumulator_bytes,
+)
 from autopar.planner.menus import Costs, Edge, MenuBuilder
 from autopar.planner.plan import (
     MeshPlan,
@@ -267,12 +276,8 @@ def _value_bytes(problem: _Problem, value: Value) -> tuple[int, tuple, np.ndarra
 
 def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int, int]]:
     """Partial sums exist whole before they are reduced, at their node's step: per choice,
-    (group, None, extra bytes, step, step) beyond the node's reduced output.
-
-    A reduce-scatter's input is the whole local sum. On the CPU backend an all-reduce writes a
-    new buffer, and a reduce-scatter whose dim is not the outermost one first copies its input
-    (a collective sends contiguous chunks; the dot wrote row-major).
-    """
+    (group, None, extra bytes, step, step) beyond the node's reduced output
+    (`memory.unreduced_sum_bytes`)."""
     grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
     buffers = []
     for group in grouping.groups:
@@ -282,20 +287,10 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
             sizes = np.zeros(len(menu))
             for k, strategies in enumerate(menu.strategies):
                 s = strategies[j]
-                if not s.partial_axes or split_size(builder.mesh, s.partial_axes) == 1:
-                    continue
-                spec = s.out_specs[0]
-                reduced = builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
-                if not s.reduce_scatters:
-                    sizes[k] = reduced if cpu else 0.0
-                    continue
-                dim = next(d for d, e in enumerate(spec) if e and set(s.partial_axes) <= set(e))
-                outer = [
-                    size // split_size(builder.mesh, e or ())
-                    for size, e in zip(aval.shape[:dim], spec[:dim], strict=True)
-                ]
-                whole = reduced * split_size(builder.mesh, s.partial_axes)
-                sizes[k] = whole * (2 if cpu and any(m > 1 for m in outer) else 1)
+                if s.partial_axes and split_size(builder.mesh, s.partial_axes) > 1:
+                    sizes[k] = unreduced_sum_bytes(
+                        builder.mesh, aval, s.out_specs[0], s.partial_axes, cpu
+                    )
             if sizes.any():
                 step = problem.live.step_of_node[member]
                 buffers.append((group.index, None, sizes, step, step))
@@ -322,10 +317,10 @@ def _whole_accumulators(problem: _Problem) -> list[tuple[int, None, np.ndarray, 
             for k, strategies in enumerate(menu.strategies):
                 s = strategies[j]
                 if s.accumulated and s.reduce_scatters:
-                    spec = s.out_specs[0]
-                    whole = builder.spec_bytes(aval.shape, 1, without_axes(spec, s.partial_axes))
-                    extra = whole - builder.spec_bytes(aval.shape, 1, spec)
-                    sizes[k] += extra * itemsize / len(chain.sums)
+                    extra = whole_accumulator_bytes(
+                        builder.mesh, aval, s.out_specs[0], s.partial_axes
+                    )
+                    sizes[k] += extra * itemsize / aval.dtype.itemsize / len(chain.sums)
         if sizes.any():
             buffers.append((group.index, None, sizes, 0, problem.grad_end))
     return buffers
@@ -374,13 +369,11 @@ class _Memory:
 
     def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
         steps = self.problem.live.num_steps
-        diff = np.zeros(steps + 1)
-        for g, _, sizes, start, end in self.temps:
-            b = sizes[group_choice[g]]
-            diff[start] += b
-            diff[end + 1] -= b
         base = sum(sizes[group_choice[g]] for g, _, sizes in self.always)
-        return base + np.cumsum(diff)[:steps] if steps else np.array([base])
+        if not steps:
+            return np.array([base])
+        temps = ((sizes[group_choice[g]], start, end) for g, _, sizes, start, end in self.temps)
+        return base + live_bytes(steps, temps)
 
     def evaluate(self, class_choice: np.ndarray) -> np.ndarray:
         return self.evaluate_groups(class_choice[self.cls])
@@ -687,9 +680,7 @@ def _whole_accumulator_bytes(
     """What a gradient's accumulator takes beyond its slice when it is reduce-scattered once per
     step (into `spec`) instead of per micro-batch."""
     aval = problem.grouping.graph.node(chain.boundary).in_avals[chain.position]
-    builder = problem.builder
-    whole = builder.spec_bytes(aval.shape, aval.dtype.itemsize, without_axes(spec, axes))
-    return whole - builder.spec_bytes(aval.shape, aval.dtype.itemsize, spec)
+    return whole_accumulator_bytes(problem.builder.mesh, aval, spec, axes)
 
 
 def _same_axes_sums(chain: GradientChain, chosen: dict[str, Strategy]) -> tuple[str, ...] | None:

@@ -20,11 +20,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from autopar.markers import GRAD_BOUNDARY
+import numpy as np
+
+from autopar.markers import GRAD_BOUNDARY, PARAM_USE
+from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
 from autopar.planner.follow_rules import ELEMENTWISE
 from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value
+from autopar.planner.plan import Spec
 from autopar.planner.program import StepSignature
+from autopar.planner.strategy import spec_axes, split_size, without_axes
 
 # Ops whose output is their operand's buffer (no copy): markers, bitcasts, layout folded into use.
 _ALIASES = frozenset({"autopar_param_use", "reshape", "squeeze", "transpose"})
@@ -63,7 +68,7 @@ class Liveness:
     num_steps: int
     outputs: tuple[Value, ...]
     step_of_node: dict[str, int]
-    last_use: dict[Value, int]
+    last_use: dict[Value, int]  # of each buffer and each view of one (`_ALIASES`)
     fused: frozenset[Value]  # computed inside each reader's fusion: never a buffer
 
 
@@ -74,7 +79,9 @@ def schedule(grouping: Grouping, old_value_readers: dict[str, list[str]]) -> lis
     gradient; the jaxpr computes every gradient first. Memory follows XLA's order. An update that
     writes a donated argument's buffer in place still waits for every other reader of the old
     value (the backward pass may read a weight after its gradient exists): `old_value_readers`
-    maps each such update to those readers (`_in_place_updates`).
+    maps each such update to those readers (`_in_place_updates`). A parameter use runs right
+    before its first reader: XLA gathers a parameter where it is needed, not where the step
+    names it (a recomputed region names its parameters first).
     """
     nodes = list(grouping.planned_nodes())
     graph = grouping.graph
@@ -84,7 +91,6 @@ def schedule(grouping: Grouping, old_value_readers: dict[str, list[str]]) -> lis
         for reader, _ in graph.consumers(b.id)
     }
     time: dict[str, float] = {}
-    keys = []
     for index, node in enumerate(nodes):
         if node.id in after_grads:
             producers = [
@@ -95,8 +101,11 @@ def schedule(grouping: Grouping, old_value_readers: dict[str, list[str]]) -> lis
             after_grads.update(reader for reader, _ in graph.consumers(node.id))
         else:
             time[node.id] = float(index)
-        keys.append((time[node.id], index))
-    return [nodes[i] for _, i in sorted(keys)]
+    for node in nodes:
+        first = [time[r] for r, _ in graph.consumers(node.id) if r in time]
+        if node.primitive == PARAM_USE and first:
+            time[node.id] = min(first) - 0.5
+    return [node for _, _, node in sorted((time[n.id], i, n) for i, n in enumerate(nodes))]
 
 
 def _in_place_updates(
@@ -116,16 +125,22 @@ def _in_place_updates(
 def _buffers(
     grouping: Grouping, nodes: Iterable[OpNode]
 ) -> tuple[dict[Value, Value], dict[Value, list[str]]]:
-    """(value -> the value whose buffer it is, through `_ALIASES`; buffer -> its readers)."""
+    """(value -> the value whose buffer it is, through `_ALIASES`; buffer -> its readers, and
+    a view of one (a value in `_ALIASES`) -> the readers of it and of its own views)."""
     buffer: dict[Value, Value] = {}
+    viewed: dict[Value, Value] = {}  # a view -> the value it views
     readers: dict[Value, list[str]] = {}
     for n in nodes:
         operands = [grouping.value_of(ref) for ref in n.inputs]
         for value in operands:
             if value is not None:
                 readers.setdefault(buffer.get(value, value), []).append(n.id)
+            while value in viewed:
+                readers.setdefault(value, []).append(n.id)
+                value = viewed[value]
         if n.primitive in _ALIASES and operands[0] is not None:
             buffer[(n.id, 0)] = buffer.get(operands[0], operands[0])
+            viewed[(n.id, 0)] = operands[0]
     return buffer, readers
 
 
@@ -204,6 +219,57 @@ def liveness(
     return Liveness(
         tuple(temporaries), len(nodes), extra_outputs, step_of, last_use, frozenset(fused)
     )
+
+
+def live_bytes(num_steps: int, buffers: Iterable[tuple[float, int, int]]) -> np.ndarray:
+    """Bytes live at each step of buffers given as (bytes, first step, last step)."""
+    diff = np.zeros(num_steps + 1)
+    for size, start, end in buffers:
+        diff[start] += size
+        diff[end + 1] -= size
+    return np.cumsum(diff)[:num_steps]
+
+
+def reduction_copy_bytes(
+    mesh: LogicalMesh, aval: TensorInfo, spec: Spec, partial_axes: tuple[str, ...], cpu: bool
+) -> float:
+    """What summing partial sums over `partial_axes` into `spec` writes beyond its input and
+    result. On the CPU backend an all-reduce writes a new buffer, and a reduce-scatter whose dim
+    is not the outermost one first copies its input (a collective sends contiguous chunks; the
+    dot wrote row-major); elsewhere nothing."""
+    if not cpu:
+        return 0.0
+    reduced = spec_bytes_per_device(aval.shape, aval.dtype.itemsize, spec, mesh)
+    if not set(partial_axes) <= set(spec_axes(spec)):
+        return reduced
+    dim = next(d for d, e in enumerate(spec) if e and set(partial_axes) <= set(e))
+    outer = [
+        size // split_size(mesh, e or ())
+        for size, e in zip(aval.shape[:dim], spec[:dim], strict=True)
+    ]
+    return reduced * split_size(mesh, partial_axes) if any(m > 1 for m in outer) else 0.0
+
+
+def unreduced_sum_bytes(
+    mesh: LogicalMesh, aval: TensorInfo, spec: Spec, partial_axes: tuple[str, ...], cpu: bool
+) -> float:
+    """What a node's partial sums take at its step beyond its output, `spec` as summed over
+    `partial_axes`: the whole local sum a reduce-scatter reads, and the copies of
+    `reduction_copy_bytes`."""
+    copies = reduction_copy_bytes(mesh, aval, spec, partial_axes, cpu)
+    if not set(partial_axes) <= set(spec_axes(spec)):
+        return copies
+    whole = without_axes(spec, partial_axes)
+    return spec_bytes_per_device(aval.shape, aval.dtype.itemsize, whole, mesh) + copies
+
+
+def whole_accumulator_bytes(
+    mesh: LogicalMesh, aval: TensorInfo, spec: Spec, axes: tuple[str, ...]
+) -> float:
+    """What a gradient's accumulator takes beyond its slice when it is reduced (into `spec`,
+    over `axes`) once per step, after the last micro-batch, instead of per micro-batch."""
+    whole = spec_bytes_per_device(aval.shape, aval.dtype.itemsize, without_axes(spec, axes), mesh)
+    return whole - spec_bytes_per_device(aval.shape, aval.dtype.itemsize, spec, mesh)
 
 
 def _copied_dot_operands(grouping: Grouping, node: OpNode) -> list[Value]:

@@ -531,8 +531,11 @@ def test_layer_state_counts_whole_accumulators_of_gradients_reduced_once():
     config = IntraOpConfig(force_batch_dim_to_mesh_dim=0)
     problem = ShardingProblem(stage.program, mesh, autopar.ClusterSpec.local(8), config, 4)
     fastest = problem.solve(math.inf).predicted.memory_per_device_bytes
-    plan = problem.solve(0.6 * fastest).stages[0]  # some gradient reduce-scattered per micro-batch
-    scattered = {n: s for n, s in plan.partial_sums.items() if not s.once_per_step}
+    for fraction in (0.9, 0.8, 0.7, 0.6):  # the roomiest budget that scatters some gradient
+        plan = problem.solve(fraction * fastest).stages[0]
+        scattered = {n: s for n, s in plan.partial_sums.items() if not s.once_per_step}
+        if scattered:
+            break
     assert scattered
     node, lowering = next(iter(scattered.items()))
     aval = stage.program.graph.node(node).out_avals[0]
