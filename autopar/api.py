@@ -478,23 +478,13 @@ class ParallelizedFunc:
 
     def preshard_dynamic_args(self, *args: Any) -> tuple[Any, ...]:
         """`args` with every array placed where the step's plan reads it (static arguments as
-        they are): put a batch or a restored state in place ahead of the step (Alpa's name)."""
-        executable = self.get_executable(*args)
+        they are): put a batch or a restored state in place ahead of the step (Alpa's name).
+        On Ray the arrays move to the mesh workers and come back as `RemoteArray`s."""
         static = self._argnums(args)[0]
-        dynamic = iter(executable.input_shardings)
-        placed = []
-        for i, arg in enumerate(args):
-            if i in static:
-                placed.append(arg)
-                continue
-            leaves, tree = jax.tree_util.tree_flatten(arg)
-            shardings = jax.tree_util.tree_leaves(next(dynamic), is_leaf=lambda x: x is None)
-            moved = [
-                x if s is None else jax.device_put(x, s)
-                for x, s in zip(leaves, shardings, strict=True)
-            ]
-            placed.append(jax.tree_util.tree_unflatten(tree, moved))
-        return tuple(placed)
+        executable, leaves = self._executable(args, *self._key(args, static))
+        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+        placed = iter(ArrayTree.of(dynamic).unflatten(executable.place_flat(leaves)))
+        return tuple(a if i in static else next(placed) for i, a in enumerate(args))
 
 
 def parallelize(

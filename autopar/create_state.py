@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from autopar.context import current_runtime
 from autopar.methods import CreateStateParallel
 from autopar.planner.errors import InvalidArgumentError
 
@@ -37,13 +38,31 @@ class StateCreator:
         """Arguments without arrays (a config, a seed as a Python int) are baked in."""
         return tuple(i for i, a in enumerate(args) if not any(map(_is_array, jax.tree.leaves(a))))
 
-    def state_shardings(self, abstract_state: Any) -> Any:
-        """Where the train step's plan stores each leaf of the state (a pytree of shardings)."""
+    def _step_executable(self, abstract_state: Any) -> Any:
         m = self.method
         step_args = list(m.other_args)
         step_args.insert(m.state_argnum, abstract_state)
-        executable = m.train_step.get_executable(*step_args)
-        return executable.input_shardings[m.state_argnum]
+        return m.train_step.get_executable(*step_args)
+
+    def state_shardings(self, abstract_state: Any) -> Any:
+        """Where the train step's plan stores each leaf of the state (a pytree of shardings)."""
+        return self._step_executable(abstract_state).input_shardings[self.method.state_argnum]
+
+    def _create_on_workers(self, args: Sequence[Any], static: tuple[int, ...]) -> Any:
+        """On Ray: the state created by the train step's mesh workers, each leaf on the stage
+        that reads it first, as `RemoteArray`s (the driver holds no device)."""
+
+        def bound(*dynamic):
+            it = iter(dynamic)
+            return self.fun(*(a if i in static else next(it) for i, a in enumerate(args)))
+
+        abstract = jax.eval_shape(bound, *(a for i, a in enumerate(args) if i not in static))
+        executable = self._step_executable(abstract)
+        positions = jax.tree_util.tree_leaves(
+            executable.input_positions[self.method.state_argnum], is_leaf=lambda x: x is None
+        )
+        leaves = executable.create_state(self.fun, tuple(args), static, positions)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), leaves)
 
     def _build(self, args: Sequence[Any], static: tuple[int, ...]):
         def bound(*dynamic):
@@ -82,6 +101,8 @@ class StateCreator:
 
     def __call__(self, *args: Any) -> Any:
         static = self._static(args)
+        if current_runtime().ray is not None:
+            return self._create_on_workers(args, static)
         dynamic = [a for i, a in enumerate(args) if i not in static]
         key = (
             static,

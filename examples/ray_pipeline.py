@@ -4,13 +4,16 @@
 
 `autopar.init("ray")` starts Ray here; with `--hosts 2` the 8 simulated devices are two simulated
 hosts of 4, so each stage mesh is one or more workers. The driver plans, the workers run: the
-state comes back as `RemoteArray`s that stay on the workers, and only the loss is fetched. At
-the end the parameters are fetched once and compared with the serial `jax.jit` step.
+state is created on the workers (`CreateStateParallel`, each leaf on the stage that reads it),
+the batch is placed there ahead of the steps (`preshard_dynamic_args`), the state stays there as
+`RemoteArray`s, and only the loss is fetched. At the end the parameters are fetched once and
+compared with the serial `jax.jit` step.
 On a GPU cluster: `autopar.init("ray", address="auto", cluster_spec=ClusterSpec.preset(...))`.
 """
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -38,11 +41,17 @@ def main() -> None:
             stage_option=autopar.UniformStageOption(args.stages),
         )
         train_step = autopar.parallelize(gpt.make_train_step(autopar.value_and_grad), method=method)
-        state = serial = gpt.create_train_state(config)
         batch = gpt.make_batch(config, 32)
+        create = autopar.parallelize(
+            functools.partial(gpt.create_train_state, config),
+            method=autopar.CreateStateParallel(train_step, batch),
+        )
+        state = create()  # RemoteArrays, born on the workers
+        state, placed = train_step.preshard_dynamic_args(state, batch)
+        serial = gpt.create_train_state(config)
         serial_step = jax.jit(gpt.train_step)
         for step in range(args.steps):
-            state, metrics = train_step(state, batch)
+            state, metrics = train_step(state, placed)
             serial, _ = serial_step(serial, batch)
             print(f"step {step}: loss {float(np.asarray(metrics['loss'])):.4f}")
         executable = train_step.get_executable(state, batch)

@@ -87,6 +87,10 @@ class Executable:
         outs = self._compiled(*placed)
         return self._out_tree.unflatten(outs)
 
+    def place_flat(self, flat: Sequence[Any]) -> list[Any]:
+        """The flattened dynamic arguments, each moved to the sharding the plan reads it with."""
+        return [jax.device_put(x, s) for x, s in zip(flat, self._flat_in_shardings, strict=True)]
+
     @property
     def flat_input_shardings(self) -> tuple[NamedSharding, ...]:
         """Sharding of each flattened dynamic argument, in order."""

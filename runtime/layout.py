@@ -11,13 +11,16 @@ norm): apply segments run in *levels*, level l+1 after every segment of level l.
 
 `PipelineLayout` is built the same way by every process from the same traced step and plan —
 the driver and each Ray mesh worker — so variables are named across processes by `var_id`.
-`run_step` walks the schedule's clock table once for every executor; a `StepBackend` says how
-the executor runs a segment and moves a value.
+`walk_step` walks the schedule's clock table once per layout into the operations of a step (place
+an input, copy a value between stages, run a task, free a value), the same for every executor:
+`run_step` replays them on a `StepBackend` (the local executor); a Ray mesh worker compiles its
+stage's share into its own step program (`runtime.worker_program`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -85,6 +88,11 @@ class PipelineLayout:
     @property
     def num_stages(self) -> int:
         return len(self.programs)
+
+    @functools.cached_property
+    def walk(self) -> StepWalk:
+        """One step's operations, worked out once (`walk_step`)."""
+        return walk_step(self)
 
     def segment(self, stage: int, kind: TaskKind, level: int | None = None) -> Segment:
         return self.segments[stage, kind, level]
@@ -183,44 +191,65 @@ class PipelineLayout:
         return counts
 
 
-class StepBackend(Protocol):
-    """How an executor holds values and runs segments; `run_step` decides what and when."""
+@dataclasses.dataclass(frozen=True)
+class PlaceInput:
+    """Make a value the caller passed in (or its micro-batch slice, or a constant) available on
+    `stage`."""
 
-    def place_input(self, key: Key, value: Any, stage: int) -> None:
-        """Make a value the caller passed in (or one slice of it) available on `stage`."""
-
-    def copy(self, key: Key, source: int, target: int) -> None:
-        """Make the value `key` held by stage `source` available on stage `target`."""
-
-    def run(self, segment: Segment, micro_batch: int | None) -> None:
-        """Run a task: its reads are available on its stage; it defines `writes_of` there."""
-
-    def free(self, key: Key, stages: Sequence[int]) -> None:
-        """No task reads `key` any more: drop it on `stages`."""
+    key: Key
+    stage: int
 
 
-def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) -> dict[Var, int]:
-    """Run one step of `layout` on `backend` from the flattened dynamic arguments.
+@dataclasses.dataclass(frozen=True)
+class CopyValue:
+    """Make the value `key` that stage `source` holds available on stage `target`."""
 
-    Batch inputs are cut into micro-batches on the host (micro-batch j: rows j, j+k, ..., as in
-    `runtime.accumulate`); every value is moved at most once to each stage that reads it and
-    freed after its last reader. Returns, per step output variable, the stage that holds it.
+    key: Key
+    source: int
+    target: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTask:
+    """Run a task: its reads are available on its stage; it defines `writes_of` there."""
+
+    segment: Segment
+    micro_batch: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeValue:
+    """No task reads `key` any more: drop it on `stages`."""
+
+    key: Key
+    stages: tuple[int, ...]
+
+
+StepOp = PlaceInput | CopyValue | RunTask | FreeValue
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWalk:
+    """One step of a layout as the ordered operations every executor carries out, and the stage
+    that holds each step output variable afterwards (`HOST`: an input passed through)."""
+
+    ops: tuple[StepOp, ...]
+    holders: dict[Var, int]
+
+
+def walk_step(layout: PipelineLayout) -> StepWalk:
+    """The operations of one step of `layout`, which depend on the layout only (not on values).
+
+    Tasks run in `layout.tasks()` order; every value is moved at most once to each stage that
+    reads it, from the lowest stage holding it, and freed after its last reader.
     """
-    closed = layout.traced.closed_jaxpr
-    jaxpr = closed.jaxpr
+    jaxpr = layout.traced.closed_jaxpr.jaxpr
     k = layout.num_micro_batches
-    # Constants the step computed with numpy (a rotary sin/cos table) are inputs like its own.
-    inputs: dict[Key, Any] = {
-        (v, None): c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
-    }
-    for v, x in zip(jaxpr.invars, flat, strict=True):
-        if v in layout.batch_vars:
-            keys = jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
-            host = x if keys else np.asarray(x)  # typed keys have no numpy form
-            inputs.update({(v, j): host[j::k] for j in range(k)})
-        else:
-            inputs[v, None] = x
-    where: dict[Key, set[int]] = {key: {HOST} for key in inputs}
+    where: dict[Key, set[int]] = {(v, None): {HOST} for v in jaxpr.constvars}
+    for v in jaxpr.invars:
+        batch = v in layout.batch_vars
+        where.update({(v, j): {HOST} for j in (range(k) if batch else (None,))})
+    ops: list[StepOp] = []
     remaining: dict[Key, int] = {}
     for segment, j in layout.tasks():
         s = segment.stage
@@ -229,11 +258,11 @@ def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) 
             holders = where[key]
             if s not in holders:
                 if HOST in holders:
-                    backend.place_input(key, inputs[key], s)
+                    ops.append(PlaceInput(key, s))
                 else:
-                    backend.copy(key, min(holders), s)
+                    ops.append(CopyValue(key, min(holders), s))
                 holders.add(s)
-        backend.run(segment, j)
+        ops.append(RunTask(segment, j))
         for key in layout.writes_of(segment, j):
             where[key] = {s}
         if j is None:
@@ -245,10 +274,69 @@ def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) 
             left = remaining.get(key, layout.readers.get(v, 1)) - 1
             remaining[key] = left
             if left == 0:
-                backend.free(key, sorted(where.pop(key) - {HOST}))
+                ops.append(FreeValue(key, tuple(sorted(where.pop(key) - {HOST}))))
     found = {}
     for v, s in zip(jaxpr.outvars, layout.placement.output_stage, strict=True):
         if not isinstance(v, Literal):
             holders = where[v, None]
             found[v] = s if s is not None else (HOST if HOST in holders else min(holders))
-    return found
+    return StepWalk(tuple(ops), found)
+
+
+def step_inputs(layout: PipelineLayout, flat: Sequence[Any]) -> dict[Key, Any]:
+    """The value of every key a `PlaceInput` may name, from the flattened dynamic arguments.
+
+    Batch inputs are cut into micro-batches on the host (micro-batch j: rows j, j+k, ..., as in
+    `runtime.accumulate`); constants the step computed with numpy (a rotary sin/cos table) are
+    inputs like the caller's own."""
+    closed = layout.traced.closed_jaxpr
+    jaxpr = closed.jaxpr
+    k = layout.num_micro_batches
+    inputs: dict[Key, Any] = {
+        (v, None): c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+    }
+    for v, x in zip(jaxpr.invars, flat, strict=True):
+        if v in layout.batch_vars:
+            inputs.update({(v, j): micro_batch_of(x, j, k) for j in range(k)})
+        else:
+            inputs[v, None] = x
+    return inputs
+
+
+def micro_batch_of(x: Any, j: int, k: int) -> Any:
+    """Micro-batch `j` of `k` of a batch input: rows j, j+k, ... (typed PRNG keys have no numpy
+    form and are sliced as they are)."""
+    keys = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return (x if keys else np.asarray(x))[j::k]
+
+
+class StepBackend(Protocol):
+    """How an executor holds values and runs segments; `walk_step` decides what and when."""
+
+    def place_input(self, key: Key, value: Any, stage: int) -> None:
+        """Carry out a `PlaceInput` with the key's value."""
+
+    def copy(self, key: Key, source: int, target: int) -> None:
+        """Carry out a `CopyValue`."""
+
+    def run(self, segment: Segment, micro_batch: int | None) -> None:
+        """Carry out a `RunTask`."""
+
+    def free(self, key: Key, stages: Sequence[int]) -> None:
+        """Carry out a `FreeValue`."""
+
+
+def run_step(layout: PipelineLayout, backend: StepBackend, flat: Sequence[Any]) -> dict[Var, int]:
+    """Run one step of `layout` on `backend` from the flattened dynamic arguments; returns, per
+    step output variable, the stage that holds it (`StepWalk.holders`)."""
+    inputs = step_inputs(layout, flat)
+    for op in layout.walk.ops:
+        if isinstance(op, PlaceInput):
+            backend.place_input(op.key, inputs[op.key], op.stage)
+        elif isinstance(op, CopyValue):
+            backend.copy(op.key, op.source, op.target)
+        elif isinstance(op, RunTask):
+            backend.run(op.segment, op.micro_batch)
+        else:
+            backend.free(op.key, op.stages)
+    return layout.walk.holders

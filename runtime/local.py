@@ -97,12 +97,23 @@ class PipelineExecutable:
         """Per stage, XLA's memory analysis of its largest compiled segment (after a call)."""
         return [runner.memory_stats() for runner in self._runners]
 
+    def _flat_input_shardings(self) -> list[Any]:
+        """Sharding of each flat dynamic argument on the first stage that reads it (None:
+        unread)."""
+        return [
+            next((r.input_sharding[v] for r in self._runners if v in r.input_sharding), None)
+            for v in self._traced.closed_jaxpr.jaxpr.invars
+        ]
+
+    def place_flat(self, flat: Sequence[Any]) -> list[Any]:
+        """The flattened dynamic arguments, each moved to the sharding its first reader reads
+        it with (unread ones as they are)."""
+        shardings = self._flat_input_shardings()
+        return [
+            x if s is None else jax.device_put(x, s) for x, s in zip(flat, shardings, strict=True)
+        ]
+
     @property
     def input_shardings(self) -> Any:
         """Sharding of each dynamic argument on the first stage that reads it (None: unread)."""
-        jaxpr = self._traced.closed_jaxpr.jaxpr
-        found = [
-            next((r.input_sharding[v] for r in self._runners if v in r.input_sharding), None)
-            for v in jaxpr.invars
-        ]
-        return self._traced.in_tree.unflatten(found, with_statics=False)
+        return self._traced.in_tree.unflatten(self._flat_input_shardings(), with_statics=False)

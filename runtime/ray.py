@@ -9,10 +9,12 @@ actors, joined with `jax.distributed.initialize` (gloo collectives on CPU, NCCL 
 The driver (`RayExecutable`) never holds the program's arrays. It traces and plans the step, then
 each worker traces the same step again from the pickled function and abstract arguments and
 checks it got the same program, so a variable is named across processes by its id in the traced
-jaxpr. The driver walks the shared schedule (`runtime.layout.run_step`): each task is one actor
-call; a value another stage reads moves as shard lists through Ray's object store straight from
-actor to actor (the driver passes references, never the data). Step outputs stay on their meshes
-as `RemoteArray` handles; passing them to the next step moves nothing.
+jaxpr. Each worker compiles its stage's share of the schedule into its own step program once
+(`runtime.worker_program`). A step is then one call per worker, carrying the inputs that worker
+takes; activations and gradients go from worker to worker (`runtime.transport`), never through
+the driver, which only waits for the calls to finish. Step outputs stay on their meshes as
+`RemoteArray` handles; passing them to the next step moves nothing, and the names of those that
+are garbage-collected travel with the next step's calls.
 
 Failures: every step waits for its calls with a timeout; an actor that dies or a task that raises
 surfaces as `StageFailedError` naming the stage and host, a step over time as `StepTimeoutError`.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -30,22 +33,33 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import AutoparError, InvalidArgumentError
 from autopar.planner.plan import Plan, format_spec
-from autopar.runtime.layout import HOST, Key, PipelineLayout, Segment, run_step
-from autopar.runtime.ray_worker import MeshWorker, StepSource, assemble
+from autopar.runtime.layout import HOST, PipelineLayout
+from autopar.runtime.ray_worker import (
+    FromStage,
+    HostKeys,
+    Kept,
+    MeshWorker,
+    Pulled,
+    StepSource,
+    TaskTime,
+)
+from autopar.runtime.transport import from_parts, key_impl
+from autopar.runtime.worker_program import taken_inputs, worker_programs
 from autopar.tracing import TracedStep
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
 _CONNECT_TIMEOUT_S = 5.0
-
-Shards = list[tuple[tuple[slice, ...], np.ndarray]]
+_INLINE_BYTES = 64 * 1024  # host inputs up to this size travel inside the call, not as objects
+_WORKER_THREADS = 4  # a step, exports to other executables and inspection at once
 
 
 class RemoteError(AutoparError, RuntimeError):
@@ -96,7 +110,7 @@ class RayCluster:
             if address not in (None, "auto"):
                 _check_reachable(address)
             try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                ray.init(address=address, include_dashboard=False)
             except ConnectionError as e:
                 raise InvalidArgumentError(
                     f"cannot connect to a Ray cluster at address={address!r}: {e}"
@@ -126,11 +140,14 @@ class RayCluster:
         )
         return cls(spec, use_gpus, group, started, float(step_timeout_s))
 
-    def start_worker(self, host: int, num_devices: int) -> Any:
-        """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices."""
+    def start_worker(self, host: int, num_devices: int, stage: int | None = None) -> Any:
+        """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices, for
+        pipeline stage `stage` (None: a profiling worker); it logs at the level of this process's
+        "autopar" logger."""
         import ray
 
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        level = logging.getLogger("autopar").getEffectiveLevel()
         actor = (
             ray.remote(MeshWorker)
             .options(
@@ -138,8 +155,9 @@ class RayCluster:
                 num_gpus=num_devices if self.use_gpus else 0,
                 scheduling_strategy=strategy(self.placement_group, host),
                 max_restarts=0,
+                max_concurrency=_WORKER_THREADS,
             )
-            .remote(num_devices, not self.use_gpus)
+            .remote(num_devices, not self.use_gpus, host, stage, level)
         )
         self.actors.append(actor)
         return actor
@@ -253,8 +271,7 @@ class RemoteArray:
         self.name = name
         self.aval = aval
         self.spec = spec
-        actors = executable.actors[stage]
-        weakref.finalize(self, _drop_remote, actors, name)
+        weakref.finalize(self, executable.unused[stage].append, name)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -279,17 +296,6 @@ class RemoteArray:
         )
 
 
-def _drop_remote(actors: Sequence[Any], name: str) -> None:
-    import ray
-
-    if ray.is_initialized():
-        for actor in actors:
-            try:
-                actor.drop.remote(name)
-            except Exception:  # the actor or Ray is already gone
-                logger.debug("could not drop %s", name, exc_info=True)
-
-
 @dataclasses.dataclass
 class _Call:
     ref: Any
@@ -311,9 +317,14 @@ class RayExecutable:
         self._traced = traced
         self._broken: str | None = None
         self._lock = threading.Lock()
+        self._steps = itertools.count()
         self.last_dispatch_s = 0.0  # driver time spent submitting the last step's calls
+        self.last_driver_bytes = 0  # bytes of host inputs the driver put in the last step
+        self.last_worker_bytes = 0  # bytes the workers sent each other in the last step
         self.layout = PipelineLayout(traced, plan) if plan.pipeline_schedule else None
         self.schedule = self.layout.schedule if self.layout else None
+        self._taken = self._inputs_taken()
+        self.unused: list[list[str]] = [[] for _ in plan.stages]  # kept names to drop
         spec = cluster.cluster_spec
         needed = 1 + max(i for s in plan.stages for i in s.mesh.device_indices)
         if needed > spec.num_devices:
@@ -328,7 +339,8 @@ class RayExecutable:
             for index in stage.mesh.device_indices:
                 by_host.setdefault(index // spec.devices_per_host, []).append(index)
             hosts = sorted(by_host.items())
-            self.actors.append([cluster.start_worker(h, len(indices)) for h, indices in hosts])
+            s = len(self.actors)
+            self.actors.append([cluster.start_worker(h, len(ix), s) for h, ix in hosts])
             self.hosts.append(sorted(by_host))
         self._build(source)
 
@@ -350,6 +362,14 @@ class RayExecutable:
         for s in range(len(self.actors)):
             calls += [_Call(a.ping.remote(), s, h, "starting") for a, h in self._pairs(s)]
         self._wait(calls, "starting the mesh workers")
+        authkey, timeout = secrets.token_bytes(16), self._cluster.step_timeout_s
+        opens = [
+            _Call(a.open_transport.remote(authkey, timeout), s, h, "opening its transport")
+            for s in range(len(self.actors))
+            for a, h in self._pairs(s)
+        ]
+        addresses = iter(self._wait(opens, "opening the stage transports"))
+        peers = [[next(addresses) for _ in actors] for actors in self.actors]
         joins = []
         for s, actors in enumerate(self.actors):
             if len(actors) > 1:
@@ -361,11 +381,23 @@ class RayExecutable:
         self._wait(joins, "joining multi-host meshes")
         plan_json = self.plan.to_json(indent=None)
         builds = [
-            _Call(a.build.remote(source, plan_json, s, self._device_map(s)), s, h, "build")
+            _Call(a.build.remote(source, plan_json, self._device_map(s), peers), s, h, "build")
             for s in range(len(self.actors))
             for a, h in self._pairs(s)
         ]
         self._wait(builds, "building the stages")
+
+    def _inputs_taken(self) -> list[list[int]]:
+        """Per stage, the positions of the flat step inputs its workers take (every one for a
+        single-stage plan; constants the workers have from their own trace)."""
+        invars = self._traced.closed_jaxpr.jaxpr.invars
+        if self.layout is None:
+            return [list(range(len(invars)))]
+        position = {v: n for n, v in enumerate(invars)}
+        return [
+            sorted({position[v] for v, _ in taken_inputs(program) if v in position})
+            for program in worker_programs(self.layout)
+        ]
 
     def _pairs(self, stage: int) -> list[tuple[Any, int]]:
         return list(zip(self.actors[stage], self.hosts[stage], strict=True))
@@ -377,7 +409,8 @@ class RayExecutable:
         return self.call_flat(self._traced.in_tree.flatten(dynamic))
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
-        """Run one step; outputs come back as `RemoteArray`s that stay on their meshes."""
+        """Run one step: one call per worker; outputs come back as `RemoteArray`s that stay on
+        their meshes."""
         if self._broken:
             raise RemoteError(
                 f"this executable cannot run: {self._broken}; call autopar.shutdown() and "
@@ -385,22 +418,153 @@ class RayExecutable:
             )
         with self._lock:
             start = time.perf_counter()
-            backend = _RayBackend(self)
-            if self.layout is None:
-                holders = backend.run_whole(flat)
-            else:
-                holders = run_step(self.layout, backend, flat)
-            outs = backend.finish(holders, flat)
+            step = next(self._steps)
+            inputs, forwards, driver_bytes = self._step_inputs(flat)
+            outs, keep = self._outputs(flat)
+            calls = []
+            for s in range(len(self.actors)):
+                drops = self.unused[s][:]
+                del self.unused[s][: len(drops)]
+                args = (step, inputs[s], keep[s], forwards[s], drops)
+                calls += [_Call(a.step.remote(*args), s, h, "the step") for a, h in self._pairs(s)]
             self.last_dispatch_s = time.perf_counter() - start
-            self._wait(backend.calls, "the step")
+            self.last_driver_bytes = driver_bytes
+            self.last_worker_bytes = sum(self._wait(calls, "the step"))
         return self._traced.out_tree.unflatten(outs)
+
+    def _step_inputs(
+        self, flat: Sequence[Any]
+    ) -> tuple[list[dict[int, Any]], list[list[tuple[str, int, int]]], int]:
+        """Per stage, its inputs by variable id (`MeshWorker.step`) and the kept values it
+        forwards to other stages; and the bytes the driver put in Ray's object store."""
+        inputs: list[dict[int, Any]] = [{} for _ in self.actors]
+        forwards: list[list[tuple[str, int, int]]] = [[] for _ in self.actors]
+        payloads = _Payloads()
+        for s, positions in enumerate(self._taken):
+            for n in positions:
+                x, vid = flat[n], self._vid(n)
+                if isinstance(x, RemoteArray) and x._executable is self:
+                    if x.stage != s:
+                        forwards[x.stage].append((x.name, vid, s))
+                    inputs[s][vid] = Kept(x.name) if x.stage == s else FromStage(x.stage)
+                else:
+                    inputs[s][vid] = payloads.of(n, x)
+        return inputs, forwards, payloads.driver_bytes
+
+    @property
+    def input_positions(self) -> tuple[Any, ...]:
+        """Each dynamic argument's leaves as their positions among the flat step inputs (None
+        for static leaves), as pytrees shaped like the arguments."""
+        count = len(self._traced.closed_jaxpr.jaxpr.invars)
+        return self._traced.in_tree.unflatten(list(range(count)), with_statics=False)
+
+    def _vid(self, position: int) -> int:
+        """The variable id (shared with the workers) of flat step input `position`."""
+        if self.layout is None:
+            return position
+        return self.layout.var_id[self._traced.closed_jaxpr.jaxpr.invars[position]]
+
+    def _reader(self, position: int) -> int | None:
+        """The first stage that reads flat step input `position` (None: no stage does)."""
+        return next((s for s, taken in enumerate(self._taken) if position in taken), None)
+
+    def _remote(self, stage: int, position: int | None, aval: Any) -> RemoteArray:
+        """A new `RemoteArray` for a value `stage` will keep: a step input (`position`) in the
+        sharding the stage reads it with, or (None) a value no stage reads."""
+        if position is None:
+            spec = "unread"
+        elif self.layout is None:
+            spec = format_spec(self.plan.stages[0].input_specs[position])
+        else:
+            var = self._traced.closed_jaxpr.jaxpr.invars[position]
+            spec = _spec(self.plan, self.layout, stage, var, inputs=True)
+        return RemoteArray(self, stage, f"kept{next(RayExecutable._names)}", aval, spec)
+
+    def place_flat(self, flat: Sequence[Any]) -> list[Any]:
+        """The flat step inputs kept on the workers of the stage that reads each, as it reads
+        them (`preshard_dynamic_args`); inputs no stage reads stay as they are."""
+        payloads = _Payloads()
+        held: list[dict[str, tuple[int, Any]]] = [{} for _ in self.actors]
+        placed = list(flat)
+        avals = self._traced.full_batch_avals()
+        for n, x in enumerate(flat):
+            s = self._reader(n)
+            if s is None or (isinstance(x, RemoteArray) and x._executable is self and x.stage == s):
+                continue
+            placed[n] = self._remote(s, n, avals[n])
+            held[s][placed[n].name] = (self._vid(n), payloads.of(n, x))
+        calls = [
+            _Call(a.hold.remote(held[s]), s, h, "presharding inputs")
+            for s in range(len(self.actors))
+            if held[s]
+            for a, h in self._pairs(s)
+        ]
+        self._wait(calls, "presharding the inputs")
+        return placed
+
+    def create_state(
+        self, fun: Any, args: tuple[Any, ...], static: tuple[int, ...], positions: Sequence[Any]
+    ) -> list[RemoteArray]:
+        """Run a state-initialisation function on the workers: leaf i of its result is born on
+        the stage that reads flat step input `positions[i]` (None: a leaf the step does not read,
+        kept on stage 0), in that stage's sharding; returns the leaves as `RemoteArray`s."""
+        import jax
+
+        def bound(*dynamic):
+            it = iter(dynamic)
+            return fun(*(a if i in static else next(it) for i, a in enumerate(args)))
+
+        abstract = jax.eval_shape(bound, *(a for i, a in enumerate(args) if i not in static))
+        leaves: list[dict[str, tuple[int, int | None]]] = [{} for _ in self.actors]
+        created = []
+        for i, (leaf, n) in enumerate(zip(jax.tree.leaves(abstract), positions, strict=True)):
+            s = 0 if n is None else self._reader(n)
+            s, n = (0, None) if s is None else (s, n)
+            aval = jax.core.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
+            array = self._remote(s, n, aval)
+            leaves[s][array.name] = (i, None if n is None else self._vid(n))
+            created.append(array)
+        calls = [
+            _Call(a.create.remote(fun, args, static, leaves[s]), s, h, "creating the state")
+            for s in range(len(self.actors))
+            if leaves[s]
+            for a, h in self._pairs(s)
+        ]
+        self._wait(calls, "creating the state")
+        return created
+
+    def _outputs(self, flat: Sequence[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The step's outputs (`RemoteArray`s named now, literals, inputs passed through) and,
+        per stage, the names its workers keep them by."""
+        jaxpr = self._traced.closed_jaxpr.jaxpr
+        inputs = dict(zip(jaxpr.invars, flat, strict=True))
+        plan = self.plan
+        keep: list[dict[str, Any]] = [{} for _ in self.actors]
+        outs = []
+        for n, v in enumerate(jaxpr.outvars):
+            if self.layout is None:
+                stage, where, spec = 0, n, format_spec(plan.stages[0].output_specs[n])
+            elif hasattr(v, "val"):  # a literal
+                outs.append(jnp.asarray(v.val))
+                continue
+            else:
+                stage = self.layout.walk.holders[v]
+                if stage == HOST:
+                    outs.append(inputs[v])
+                    continue
+                where = (self.layout.var_id[v], None)
+                spec = _spec(plan, self.layout, stage, v, inputs=False)
+            name = f"kept{next(RayExecutable._names)}"
+            keep[stage][name] = where
+            outs.append(RemoteArray(self, stage, name, v.aval, spec))
+        return outs, keep
 
     def fetch(self, array: RemoteArray) -> np.ndarray:
         """The whole value of a `RemoteArray`, gathered from its workers."""
         pairs = self._pairs(array.stage)
         refs = [a.export_kept.remote(array.name) for a, _ in pairs]
         parts = [self._get(ref, array.stage) for ref in refs]
-        return assemble(parts, array.aval)
+        return from_parts(parts, array.aval)
 
     # ------------------------------------------------------------------ waiting
 
@@ -457,14 +621,15 @@ class RayExecutable:
 
     # ------------------------------------------------------------------ inspection
 
-    def timeline(self) -> list[tuple[int, str, int | None, float, float]]:
-        """Every task run so far: (stage, segment, micro-batch, start, end) on the first host of
-        each stage, in `time.perf_counter` seconds of that host (one clock per machine)."""
-        rows = []
-        for s in range(len(self.actors)):
-            for name, j, start, end in self._get(self.actors[s][0].timeline.remote(), s):
-                rows.append((s, name, j, start, end))
-        return sorted(rows, key=lambda r: r[3])
+    def timeline(self) -> list[TaskTime]:
+        """Every task run so far on the first host of each stage, by wall start time (one
+        `time.perf_counter` per machine; device clocks restart with each step)."""
+        rows = [
+            t
+            for s in range(len(self.actors))
+            for t in self._get(self.actors[s][0].timeline.remote(), s)
+        ]
+        return sorted(rows, key=lambda t: t.start)
 
     def _hlo_and_memory(self) -> list[tuple[str, Any]]:
         return [
@@ -491,110 +656,44 @@ def _first_line(error: Exception) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
-class _RayBackend:
-    """`run_step`'s operations as actor calls; collects them for `RayExecutable._wait`."""
+class _Payloads:
+    """How host values and other executables' outputs travel to the workers in one call: each
+    value once (put in Ray's object store when large), however many stages take it."""
 
-    def __init__(self, executable: RayExecutable) -> None:
+    def __init__(self) -> None:
+        self._made: dict[int, Any] = {}  # flat position -> payload
+        self.driver_bytes = 0
+
+    def of(self, position: int, x: Any) -> Any:
         import ray
 
-        self._ray = ray
-        self.ex = executable
-        self.calls: list[_Call] = []
-        self._host_refs: dict[int, Any] = {}  # id(value) -> object ref, one put per value
-        self._incoming: dict[int, list[tuple[int, tuple[int, int | None]]]] = {}
-        self._frees: dict[int, list[tuple[int, int | None]]] = {}
-
-    def _submit(self, stage: int, what: str, method: str, *args: Any) -> None:
-        for actor, host in self.ex._pairs(stage):
-            ref = getattr(actor, method).remote(*args)
-            self.calls.append(_Call(ref, stage, host, what))
-
-    def _vid(self, key: Key) -> int:
-        return self.ex.layout.var_id[key[0]]
-
-    def _place_value(self, vid: int, micro_batch: int | None, value: Any, stage: int) -> None:
-        if isinstance(value, RemoteArray):
-            if value._executable is self.ex and value.stage == stage:
-                self._submit(stage, "placing an input", "place_kept", vid, micro_batch, value.name)
-                return
-            # Another stage's, or another step's (an eval step reading the train state):
-            # worker to worker through the object store.
-            holders = value._executable.actors[value.stage]
-            refs = [a.export_kept.remote(value.name) for a in holders]
-            self._submit(stage, "placing an input", "place", vid, micro_batch, *refs)
-            return
-        ref = self._host_refs.get(id(value))
-        if ref is None:
-            scalar = isinstance(value, (bool, int, float, complex))  # keeps its weak type
-            ref = self._ray.put(value if scalar else np.asarray(value))
-            self._host_refs[id(value)] = ref
-        self._submit(stage, "placing an input", "place", vid, micro_batch, ref)
-
-    # StepBackend
-
-    def place_input(self, key: Key, value: Any, stage: int) -> None:
-        self._place_value(self._vid(key), key[1], value, stage)
-
-    def copy(self, key: Key, source: int, target: int) -> None:
-        self._incoming.setdefault(target, []).append((source, (self._vid(key), key[1])))
-
-    def run(self, segment: Segment, micro_batch: int | None) -> None:
-        stage = segment.stage
-        by_source: dict[int, list[tuple[int, int | None]]] = {}
-        for source, key in self._incoming.pop(stage, []):
-            by_source.setdefault(source, []).append(key)
-        for source, keys in by_source.items():  # one call per worker pair, not per value
-            refs = [a.export.remote(keys) for a in self.ex.actors[source]]
-            self._submit(stage, f"receiving from stage {source}", "receive", keys, *refs)
-        what = segment.name + ("" if micro_batch is None else f" micro-batch {micro_batch}")
-        frees = self._frees.pop(stage, [])
-        args = (stage, segment.kind.value, segment.level, micro_batch, frees)
-        self._submit(stage, what, "run", *args)
-
-    def free(self, key: Key, stages: Sequence[int]) -> None:
-        for s in stages:  # sent with the stage's next task; the step's end drops the rest
-            self._frees.setdefault(s, []).append((self._vid(key), key[1]))
-
-    # single-stage plans
-
-    def run_whole(self, flat: Sequence[Any]) -> dict[int, int]:
-        for n, value in enumerate(flat):
-            self._place_value(n, None, value, 0)
-        self._submit(0, "the step", "run_whole", len(flat))
-        return {n: 0 for n in range(len(self.ex._traced.closed_jaxpr.jaxpr.outvars))}
-
-    def finish(self, holders: dict[Any, int], flat: Sequence[Any]) -> list[Any]:
-        """The step's outputs as RemoteArrays; every worker drops the step's other values."""
-        jaxpr = self.ex._traced.closed_jaxpr.jaxpr
-        inputs = dict(zip(jaxpr.invars, flat, strict=True))
-        plan = self.ex.plan
-        keep: list[dict[str, Any]] = [{} for _ in self.ex.actors]
-        outs = []
-        for n, v in enumerate(jaxpr.outvars):
-            if self.ex.layout is None:
-                stage, where, spec = 0, n, format_spec(plan.stages[0].output_specs[n])
-            elif hasattr(v, "val"):  # a literal
-                outs.append(jnp.asarray(v.val))
-                continue
-            else:
-                stage = holders[v]
-                if stage == HOST:
-                    outs.append(inputs[v])
-                    continue
-                where = (self.ex.layout.var_id[v], None)
-                spec = _output_spec(plan, self.ex.layout, stage, v)
-            name = f"kept{next(RayExecutable._names)}"
-            keep[stage][name] = where
-            outs.append(RemoteArray(self.ex, stage, name, v.aval, spec))
-        for s in range(len(self.ex.actors)):
-            self._submit(s, "ending the step", "keep", keep[s])
-        return outs
+        if position in self._made:
+            return self._made[position]
+        if isinstance(x, RemoteArray):  # another executable's (an eval step reading the state)
+            made = Pulled(tuple(x._executable.actors[x.stage]), x.name)
+        elif key_impl(x) is not None:
+            made = HostKeys(np.asarray(jax.random.key_data(x)), key_impl(x))
+        elif isinstance(x, (bool, int, float, complex)):
+            made = x  # keeps its weak type
+        else:
+            host = np.asarray(x)
+            made = host if host.nbytes <= _INLINE_BYTES else ray.put(host)
+            self.driver_bytes += host.nbytes
+        self._made[position] = made
+        return made
 
 
-def _output_spec(plan: Plan, layout: PipelineLayout, stage: int, var: Any) -> str:
-    outvars = layout.programs[stage].closed.jaxpr.outvars
-    specs = plan.stages[stage].output_specs
-    for v, spec in zip(outvars, specs, strict=True):
+def _spec(plan: Plan, layout: PipelineLayout, stage: int, var: Any, inputs: bool) -> str:
+    """How pipeline stage `stage` stores `var`, an input or output of the step, as
+    `format_spec` writes it."""
+    stage_plan = plan.stages[stage]
+    closed = layout.programs[stage].closed.jaxpr
+    own, specs = (
+        (closed.invars, stage_plan.input_specs)
+        if inputs
+        else (closed.outvars, stage_plan.output_specs)
+    )
+    for v, spec in zip(own, specs, strict=True):
         if v is var:
             return format_spec(spec)
     return "auto"

@@ -1,30 +1,43 @@
 """The Ray actor that drives one host's devices of one stage mesh (see `autopar.runtime.ray`).
 
 A worker traces the step itself from a `StepSource` (the pickled function and abstract
-arguments), checks it got the planned program, and binds its stage: a `StageRunner` for a
-pipeline stage, a compiled `Executable` for a single-stage plan. Values are named by (variable
-id in the traced jaxpr, micro-batch) within a step, by a string between steps; they cross
-processes as the shard lists this host holds.
+arguments), checks it got the planned program, and binds its stage: a `StageRunner` and its own
+step program (`runtime.worker_program`) for a pipeline stage, a compiled `Executable` for a
+single-stage plan. A step is one call (`MeshWorker.step`): the worker takes its inputs, runs its
+program, and sends and receives the values other stages share with it directly
+(`runtime.transport`). Values are named by (variable id in the traced jaxpr, micro-batch) within
+a step, by a string between steps.
+
+The actor is threaded: while one thread runs a step, others take deliveries from other workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from autopar.planner.plan import Plan
-from autopar.runtime.layout import Key, PipelineLayout
-from autopar.runtime.schedules import TaskKind
+from autopar.runtime.layout import Key, PipelineLayout, micro_batch_of
+from autopar.runtime.transport import (
+    Address,
+    Part,
+    SocketTransport,
+    from_parts,
+    key_impl,
+    local_shards,
+)
+from autopar.runtime.worker_program import Free, Receive, Run, Send, Take, worker_programs
 from autopar.tracing import TracedStep, abstract_arguments
 
-Shards = list[tuple[tuple[slice, ...], np.ndarray]]
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +70,79 @@ class StepSource:
         return cls(fun, abstract, tuple(tuple(a) for a in argnums))
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A step input that this worker kept from an earlier step, by name."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FromStage:
+    """A step input kept on another stage of the same plan: its workers send it at the start of
+    the step (`MeshWorker.step`'s `forwards`)."""
+
+    stage: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """A step input kept by another executable's workers (an eval step reading the train state):
+    fetched from them directly."""
+
+    actors: tuple[Any, ...]
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKeys:
+    """A typed PRNG key array passed in by the caller, as its raw data."""
+
+    data: Any
+    impl: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskTime:
+    """When a worker ran one task of a step: wall seconds of its host's `time.perf_counter`,
+    and its device clock (`DeviceClock`) since the step started."""
+
+    stage: int
+    segment: str
+    micro_batch: int | None
+    step: int
+    start: float
+    end: float
+    device_start: float
+    device_end: float
+
+
+class DeviceClock:
+    """A worker's own time within a step, as if its devices were its own: advanced by the CPU
+    time its process spends (computing, copying, sending), moved forward to the clock a value
+    was sent at when the worker waits for it. On cores that several workers share, wall time
+    counts the others' work as this worker's; this clock does not, so a pipeline's bubble read
+    from it is the schedule's and the runtime's, not the machine's."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._mark = time.process_time()
+
+    def restart(self) -> None:
+        self.now, self._mark = 0.0, time.process_time()
+
+    def tick(self) -> float:
+        """Add the CPU time spent since the last tick; the clock's reading."""
+        mark = time.process_time()
+        self.now += mark - self._mark
+        self._mark = mark
+        return self.now
+
+    def received(self, sent_at: float) -> None:
+        """A value sent at `sent_at` arrived: the worker could not go on before then."""
+        self.now = max(self.tick(), sent_at)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -66,21 +152,51 @@ def _free_port() -> int:
 class MeshWorker:
     """A Ray actor driving one host's devices of one stage mesh (see the module docstring)."""
 
-    def __init__(self, num_local_devices: int, simulate_devices: bool) -> None:
+    def __init__(
+        self,
+        num_local_devices: int,
+        simulate_devices: bool,
+        host: int,
+        stage: int | None,
+        log_level: int = logging.WARNING,
+    ) -> None:
         if simulate_devices:
             from autopar.context import simulate_cpu_devices
 
             simulate_cpu_devices(num_local_devices)
+        handler = logging.StreamHandler(sys.stderr)  # Ray forwards it, prefixed with repr(self)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        autopar_logger = logging.getLogger("autopar")
+        autopar_logger.addHandler(handler)
+        autopar_logger.setLevel(log_level)
+        autopar_logger.propagate = False  # Ray's own root handler would print it twice
+        self.stage = stage
+        self.host = host
         self._simulated = simulate_devices
         self._values: dict[Any, Any] = {}
-        self._timeline: list[tuple[str, int | None, float, float]] = []
+        self._timeline: list[TaskTime] = []
+        self._clock = DeviceClock()
+        self._step = -1
         self._layout: PipelineLayout | None = None
+        self._program: tuple = ()
         self._runner = None
         self._executable = None
         self._input_avals: list[Any] = []
+        self._transport: SocketTransport | None = None
+
+    def __repr__(self) -> str:
+        stage = "" if self.stage is None else f"stage {self.stage}, "
+        return f"MeshWorker({stage}host {self.host})"
 
     def ping(self) -> int:
         return os.getpid()
+
+    def open_transport(self, authkey: bytes, timeout_s: float) -> Address:
+        """Listen for values from other stages' workers (`runtime.transport`); the address."""
+        import ray
+
+        self._transport = SocketTransport(ray.util.get_node_ip_address(), authkey, timeout_s)
+        return self._transport.address
 
     def coordinator_address(self) -> str:
         import ray
@@ -100,8 +216,15 @@ class MeshWorker:
 
         return measure_cluster(jax.devices(), sizes=sizes).to_dict()
 
-    def build(self, step: StepSource, plan_json: str, stage: int, device_indices: list) -> str:
-        """Trace the step, check it is the planned program, and bind this worker's stage."""
+    def build(
+        self,
+        step: StepSource,
+        plan_json: str,
+        device_indices: list,
+        peers: Sequence[Sequence[Address]],
+    ) -> str:
+        """Trace the step, check it is the planned program, and bind this worker's stage;
+        `peers[s]` are the transport addresses of stage s's workers (`open_transport`)."""
         from autopar.runtime.compile import compile_plan
         from autopar.runtime.stage import StageRunner
 
@@ -113,79 +236,125 @@ class MeshWorker:
                 f"{plan.fingerprint}: the step must trace the same on every host"
             )
         devices = _devices_by_index(device_indices)
+        self._transport.connect(peers)
         if plan.pipeline_schedule is None:
             self._executable = compile_plan(traced, plan, devices)
             self._input_avals = traced.full_batch_avals()
         else:
             self._layout = PipelineLayout(traced, plan)
-            self._runner = StageRunner(self._layout, stage, devices)
+            self._runner = StageRunner(self._layout, self.stage, devices)
+            self._program = worker_programs(self._layout)[self.stage]
+        logger.info("built with %d instruction(s) per step", len(self._program))
         return jax.devices()[0].platform
 
-    # values are named by (variable id, micro-batch) within a step, by a str between steps
+    # ------------------------------------------------------------------ a step
 
-    def _key(self, vid: int, micro_batch: int | None) -> Key:
-        return (self._layout.var_of[vid], micro_batch)
+    def step(
+        self,
+        step: int,
+        inputs: dict[int, Any],
+        keep: dict[str, Any],
+        forwards: Sequence[tuple[str, int, int]] = (),
+        drops: Sequence[str] = (),
+    ) -> int:
+        """Run this worker's share of step number `step`; returns the bytes it sent.
 
-    def _aval(self, vid: int) -> Any:
-        if self._layout is not None:
-            return self._layout.var_of[vid].aval
-        return self._input_avals[vid]
+        `inputs`: the step inputs this worker takes, by variable id (host values, object refs,
+        `Kept`, `FromStage`, `Pulled`, `HostKeys`); `keep`: the step outputs to keep, by the
+        name later steps and `RemoteArray`s use; `forwards`: (kept name, variable id, stage) to
+        send to another stage first; `drops`: kept values no `RemoteArray` names any more."""
+        for name in drops:
+            self._values.pop(name, None)
+        self._step = step
+        self._clock.restart()
+        transport = self._transport
+        transport.mailbox.drop_before(step)
+        sent = transport.bytes_sent
+        for name, vid, target in forwards:
+            transport.send((step, vid, None), self._values[name], target, self._clock.tick())
+        values = self._resolve(step, inputs)
+        if self._runner is None:
+            self._run_whole(values)
+        else:
+            self._run_program(step, values)
+        self._keep(keep)
+        transport.flush()
+        return transport.bytes_sent - sent
 
-    def _hold(self, vid: int, micro_batch: int | None, value: Any) -> None:
+    def _resolve(self, step: int, inputs: dict[int, Any]) -> dict[int, Any]:
+        """The value of each input (object refs fetched together, first)."""
+        import ray
+
+        refs = {vid: x for vid, x in inputs.items() if isinstance(x, ray.ObjectRef)}
+        fetched = dict(zip(refs, ray.get(list(refs.values())), strict=True)) if refs else {}
+        values = {}
+        for vid, x in inputs.items():
+            if vid in fetched:
+                values[vid] = fetched[vid]
+            elif isinstance(x, Kept):
+                values[vid] = self._values[x.name]
+            elif isinstance(x, FromStage):
+                tag, what = (step, vid, None), f"input {self._var_name(vid)}"
+                values[vid], sent_at = self._transport.receive(tag, x.stage, self._aval(vid), what)
+                self._clock.received(sent_at)
+            elif isinstance(x, Pulled):
+                parts = ray.get([actor.export_kept.remote(x.name) for actor in x.actors])
+                values[vid] = from_parts(parts, self._aval(vid))
+            elif isinstance(x, HostKeys):
+                values[vid] = jax.random.wrap_key_data(x.data, impl=x.impl)
+            else:
+                values[vid] = x
+        return values
+
+    def _run_program(self, step: int, values: dict[int, Any]) -> None:
+        layout, runner, k = self._layout, self._runner, self._layout.num_micro_batches
+        closed = layout.traced.closed_jaxpr
+        consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        clock = self._clock
+        for instruction in self._program:
+            if isinstance(instruction, Run):
+                segment = instruction.segment
+                j = instruction.micro_batch
+                self._timed(segment.name, j, runner.run, segment, j)
+                continue
+            if isinstance(instruction, Free):
+                for key in instruction.keys:
+                    runner.free(key)
+                continue
+            var, j = instruction.key
+            if isinstance(instruction, Take):
+                whole = consts[var] if var in consts else values[layout.var_id[var]]
+                runner.place(instruction.key, whole if j is None else micro_batch_of(whole, j, k))
+            elif isinstance(instruction, Send):
+                tag, value = (step, layout.var_id[var], j), runner.value(instruction.key)
+                self._transport.send(tag, value, instruction.target, clock.tick())
+            elif isinstance(instruction, Receive):
+                tag = (step, layout.var_id[var], j)
+                what = f"{var} of micro-batch {j}" if j is not None else str(var)
+                value, sent_at = self._transport.receive(tag, instruction.source, var.aval, what)
+                clock.received(sent_at)
+                runner.place(instruction.key, value)
+
+    def _run_whole(self, values: dict[int, Any]) -> None:
         from autopar.runtime.stage import place
 
-        if self._runner is not None:
-            self._runner.place((self._layout.var_of[vid], micro_batch), value)
-        else:
-            self._values[vid] = place(value, self._executable.flat_input_shardings[vid])
-
-    def place(self, vid: int, micro_batch: int | None, *parts: Any) -> None:
-        """Hold a value given whole (one host array) or as the shard lists of its holders."""
-        self._hold(vid, micro_batch, assemble(parts, self._aval(vid)))
-
-    def place_kept(self, vid: int, micro_batch: int | None, name: str) -> None:
-        """Hold a value kept from an earlier step on this mesh (no copy when placed alike)."""
-        self._hold(vid, micro_batch, self._values[name])
-
-    def export(self, keys: Sequence[tuple[int, int | None]]) -> list[Shards]:
-        """This host's shards of each (variable id, micro-batch), for another stage."""
-        return [_local_shards(self._runner.value(self._key(*key))) for key in keys]
-
-    def export_kept(self, name: str) -> Shards:
-        return _local_shards(self._values[name])
-
-    def receive(self, keys: Sequence[tuple[int, int | None]], *exports: list[Shards]) -> None:
-        """Hold values another stage exported: one `export` result per worker of that stage."""
-        for n, (vid, micro_batch) in enumerate(keys):
-            shards = [export[n] for export in exports]
-            self._hold(vid, micro_batch, assemble(shards, self._aval(vid)))
-
-    def run(
-        self,
-        stage: int,
-        kind: str,
-        level: int | None,
-        micro_batch: int | None,
-        frees: Sequence[tuple[int, int | None]] = (),
-    ) -> None:
-        """Drop `frees` (values no task reads any more), then run one task of this stage."""
-        for key in frees:
-            self._runner.free(self._key(*key))
-        segment = self._layout.segment(stage, TaskKind(kind), level)
-        start = time.perf_counter()
-        outs = self._runner.run(segment, micro_batch)
-        jax.block_until_ready(outs)
-        self._timeline.append((segment.name, micro_batch, start, time.perf_counter()))
-
-    def run_whole(self, num_inputs: int) -> None:
-        start = time.perf_counter()
-        outs = self._executable.call_flat([self._values.pop(i) for i in range(num_inputs)])
+        shardings = self._executable.flat_input_shardings
+        flat = [place(values[n], shardings[n]) for n in range(len(values))]
+        outs = self._timed("step", None, self._executable.call_flat, flat)
         leaves = jax.tree_util.tree_leaves(outs)
-        jax.block_until_ready(leaves)
         self._values.update({("out", n): x for n, x in enumerate(leaves)})
-        self._timeline.append(("step", None, start, time.perf_counter()))
 
-    def keep(self, names: dict[str, Any]) -> None:
+    def _timed(self, name: str, micro_batch: int | None, run: Callable, *args: Any) -> Any:
+        """`run(*args)` until its results are ready, recorded in the timeline."""
+        device_start, start = self._clock.tick(), time.perf_counter()
+        outs = jax.block_until_ready(run(*args))
+        end, device_end = time.perf_counter(), self._clock.tick()
+        stage = 0 if self.stage is None else self.stage
+        times = (start, end, device_start, device_end)
+        self._timeline.append(TaskTime(stage, name, micro_batch, self._step, *times))
+        return outs
+
+    def _keep(self, names: dict[str, Any]) -> None:
         """End a step: keep the named outputs, drop every other value of the step."""
         for name, where in names.items():
             if self._runner is not None:
@@ -197,11 +366,74 @@ class MeshWorker:
         for key in [k for k in self._values if not isinstance(k, str)]:
             del self._values[key]
 
+    # ------------------------------------------------------------------ values between steps
+
+    def create(
+        self,
+        fun: Callable,
+        args: tuple[Any, ...],
+        static: tuple[int, ...],
+        leaves: dict[str, tuple[int, int | None]],
+    ) -> None:
+        """Run a state-initialisation function and keep the leaves of its result this stage
+        stores (name -> (leaf index, variable id; None for a leaf no stage reads)), each born in
+        the sharding this stage reads it with (`CreateStateParallel` on Ray)."""
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        chosen = list(leaves.values())
+
+        def select(*values):
+            it = iter(values)
+            state = fun(*(a if i in static else next(it) for i, a in enumerate(args)))
+            flat = jax.tree_util.tree_leaves(state)
+            return tuple(flat[i] for i, _ in chosen)
+
+        shardings = tuple(self._input_sharding(vid) for _, vid in chosen)
+        outs = jax.jit(select, out_shardings=shardings)(*dynamic)
+        self._values.update(zip(leaves, outs, strict=True))
+
+    def hold(self, values: dict[str, tuple[int, Any]]) -> None:
+        """Keep step inputs ahead of a step (name -> (variable id, input as `step` takes it)),
+        placed where this stage reads them (`preshard_dynamic_args` on Ray)."""
+        from autopar.runtime.stage import place
+
+        resolved = self._resolve(-1, {vid: x for vid, x in values.values()})
+        for name, (vid, _) in values.items():
+            self._values[name] = place(resolved[vid], self._input_sharding(vid))
+
+    def _input_sharding(self, vid: int | None) -> Any:
+        """The sharding this stage reads step input `vid` with (None: as it comes; batch inputs
+        of a pipeline are cut into micro-batches first)."""
+        if vid is None:
+            return None
+        if self._runner is None:
+            return self._executable.flat_input_shardings[vid]
+        var = self._layout.var_of[vid]
+        return None if var in self._layout.batch_vars else self._runner.input_sharding.get(var)
+
+    # ------------------------------------------------------------------ between workers
+
+    def export_kept(self, name: str) -> Part:
+        value = self._values[name]
+        return key_impl(value), local_shards(value)
+
     def drop(self, name: str) -> None:
         self._values.pop(name, None)
 
-    def timeline(self) -> list[tuple[str, int | None, float, float]]:
-        """(segment, micro-batch, start, end) of each task run, in seconds of this host's clock."""
+    # ------------------------------------------------------------------ inspection
+
+    def _key(self, vid: int, micro_batch: int | None) -> Key:
+        return (self._layout.var_of[vid], micro_batch)
+
+    def _aval(self, vid: int) -> Any:
+        if self._layout is not None:
+            return self._layout.var_of[vid].aval
+        return self._input_avals[vid]
+
+    def _var_name(self, vid: int) -> str:
+        return str(self._layout.var_of[vid]) if self._layout is not None else f"#{vid}"
+
+    def timeline(self) -> list[TaskTime]:
+        """Every task this worker ran, in order."""
         return list(self._timeline)
 
     def hlo_and_memory(self) -> tuple[str, Any]:
@@ -224,27 +456,3 @@ def _devices_by_index(device_indices: Sequence[tuple[int, int, int]]) -> list[An
     for index, process, position in device_indices:
         found[index] = by_process[process][position]
     return found
-
-
-def _local_shards(x: Any) -> Shards:
-    """The distinct shards of `x` this process holds (replica 0 of each), as host arrays."""
-    if not isinstance(x, jax.Array):
-        return [((), np.asarray(x))]
-    return [
-        (shard.index, np.asarray(shard.data))
-        for shard in x.addressable_shards
-        if shard.replica_id == 0
-    ]
-
-
-def assemble(parts: Sequence[Any], aval: Any) -> Any:
-    """One host value from a whole one or from shard lists that together cover it."""
-    if len(parts) == 1 and not isinstance(parts[0], list):
-        return parts[0]  # a whole host array, or a Python scalar
-    shards = [piece for part in parts for piece in part]
-    if len(shards) == 1 and shards[0][0] == ():
-        return shards[0][1]
-    whole = np.empty(aval.shape, aval.dtype)
-    for index, data in shards:
-        whole[index] = data
-    return whole

@@ -36,6 +36,8 @@ def place(value: Any, sharding: NamedSharding | None) -> Any:
     `sharding`. A Python scalar stays weakly typed, as jax would trace it."""
     if sharding is None:
         return value
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value  # kept from the last step where this step reads it: nothing to move
     if isinstance(value, jax.Array) or sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     if isinstance(value, (bool, int, float, complex)):

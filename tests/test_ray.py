@@ -6,6 +6,9 @@ opens and closes its own autopar runtime on it.
 """
 
 import dataclasses
+import functools
+import logging
+import re
 import threading
 import time
 
@@ -35,6 +38,12 @@ def _alive_actors() -> list[str]:
     return [k for k, v in ray._private.state.actors().items() if v["State"] == "ALIVE"]
 
 
+def _placement_groups() -> list[str]:
+    """Placement groups Ray's control store lists as not removed."""
+    table = ray.util.placement_group_table()
+    return [k for k, v in table.items() if v["state"] != "REMOVED"]
+
+
 def _pipeline(stages: int = 2) -> autopar.PipeshardParallel:
     return autopar.PipeshardParallel(
         num_micro_batches=4,
@@ -62,7 +71,7 @@ def test_unreachable_address_is_a_clear_error():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False)  # worker logs come to this process
     yield
     ray.shutdown()
 
@@ -80,6 +89,7 @@ def on_ray(local_ray):
     if opened:
         autopar.shutdown()
     assert _alive_actors() == []
+    assert _placement_groups() == []
 
 
 def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
@@ -97,13 +107,104 @@ def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
     assert relative_error(params, local_state.params) <= 1e-5
     assert np.isfinite(np.asarray(metrics["loss"]))
     tasks = executable.timeline()
-    assert {(s, name.split(".")[1]) for s, name, *_ in tasks} >= {
+    assert {(t.stage, t.segment.split(".")[1]) for t in tasks} >= {
         (0, "forward"),
         (0, "backward"),
         (1, "forward"),
         (1, "backward"),
     }
     assert len(_alive_actors()) == 2
+
+
+def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_worker(
+    on_ray, monkeypatch
+):
+    on_ray(autopar.ClusterSpec.local(8))
+    method = autopar.PipeshardParallel(
+        num_micro_batches=16,
+        layer_option=autopar.AutoLayerOption(layer_num=4),
+        stage_option=autopar.UniformStageOption(4),
+        pipeline_schedule="1f1b",
+    )
+    step, state, _, batch = parallel_steps(gpt, GPT, method, BATCH, 1)  # builds, compiles
+    executable = step.get_executable(state, batch)
+    assert [len(a) for a in executable.actors] == [1, 1, 1, 1]
+    submitted = []
+    real_remote = ray.actor.ActorMethod._remote
+
+    def counted(self, *args, **kwargs):
+        submitted.append(self._method_name)
+        return real_remote(self, *args, **kwargs)
+
+    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", counted)
+    for _ in range(STEPS - 1):
+        submitted.clear()
+        state, metrics = step(state, batch)
+        assert submitted == ["step"] * 4  # one call per worker, whatever the micro-batch count
+        # Through the driver: the host batch only; activations and gradients went worker to
+        # worker (16 micro-batches x 3 stage boundaries x 2 directions).
+        assert executable.last_driver_bytes == sum(x.nbytes for x in jax.tree.leaves(batch))
+        assert executable.last_worker_bytes > 0
+    monkeypatch.undo()
+    params = jax.tree.map(np.asarray, state.params)
+    assert relative_error(params, serial_state(gpt, GPT, BATCH, STEPS).params) <= 1e-5
+    tasks = [t for t in executable.timeline() if ".apply" not in t.segment]
+    assert len(tasks) == STEPS * 4 * 16 * 2  # every forward and backward of every step
+    # The workers' device clocks carry the schedule's dependencies: a stage's forward of a
+    # micro-batch starts after the previous stage's ended, and its backward after the next's.
+    done = {(t.step, t.stage, t.segment.split(".")[1], t.micro_batch): t for t in tasks}
+    for (step_number, s, kind, j), task in done.items():
+        before = (s - 1, "forward") if kind == "forward" else (s + 1, "backward")
+        if (step_number, *before, j) in done:
+            assert task.device_start >= done[step_number, *before, j].device_end
+    assert len(_alive_actors()) == 4
+
+
+def test_worker_logs_reach_the_driver_named_by_stage(on_ray, capfd):
+    on_ray(autopar.ClusterSpec.local(8))
+    logger = logging.getLogger("autopar")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the level workers log at is the driver's
+    try:
+        step = autopar.parallelize(mlp.make_train_step(autopar.value_and_grad), method=_pipeline())
+        step(mlp.create_train_state(MLP, batch_size=2), mlp.make_batch(MLP, BATCH))
+    finally:
+        logger.setLevel(level)
+    # Ray's log monitor forwards worker output in batches, and shows a line that differs
+    # from another worker's only in its numbers once (RAY_DEDUP_LOGS): one stage's is enough.
+    pattern = re.compile(r"MeshWorker\(stage \d, host 0\).*built with \d+ instruction")
+    lines, deadline = "", time.monotonic() + 20
+    while time.monotonic() < deadline and not pattern.search(lines):
+        time.sleep(0.5)
+        lines += capfd.readouterr().err
+    assert pattern.search(lines)
+
+
+def test_state_born_and_batch_presharded_on_the_workers_never_pass_the_driver(on_ray):
+    on_ray(autopar.ClusterSpec.local(8))
+    train_step = autopar.parallelize(
+        mlp.make_train_step(autopar.value_and_grad), method=_pipeline()
+    )
+    batch = mlp.make_batch(MLP, BATCH)
+    create = autopar.parallelize(
+        functools.partial(mlp.create_train_state, MLP, batch_size=2),
+        method=autopar.CreateStateParallel(train_step, batch),
+    )
+    state = create()
+    leaves = jax.tree.leaves(state)
+    assert all(isinstance(x, RemoteArray) for x in leaves)
+    assert {x.stage for x in leaves} == {0, 1}  # each layer's parameters born on its stage
+    initial = mlp.create_train_state(MLP, batch_size=2)
+    assert relative_error(jax.tree.map(np.asarray, state), initial) == 0
+    state, placed = train_step.preshard_dynamic_args(state, batch)
+    assert [x.name for x in jax.tree.leaves(state)] == [x.name for x in leaves]  # already there
+    assert all(isinstance(x, RemoteArray) for x in jax.tree.leaves(placed))
+    executable = train_step.get_executable(state, batch)
+    for _ in range(STEPS):
+        state, _ = train_step(state, placed)
+        assert executable.last_driver_bytes == 0
+    serial = serial_state(mlp, MLP, BATCH, STEPS)
+    assert relative_error(jax.tree.map(np.asarray, state.params), serial.params) <= 1e-5
 
 
 def test_stage_mesh_spanning_two_workers_is_one_spmd_program(on_ray):
@@ -118,6 +219,7 @@ def test_stage_mesh_spanning_two_workers_is_one_spmd_program(on_ray):
     serial = serial_state(gpt, config, BATCH, STEPS)
     assert relative_error(params, serial.params) <= 1e-5
     assert executable.collectives()["all-reduce"]  # gradients reduced across the processes
+
     # An eval step reads the train state where it lives: RemoteArrays of another executable.
     # (Defined here, so that it is pickled by value: the workers cannot import this module.)
     def _eval_loss(state, batch):

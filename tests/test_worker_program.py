@@ -1,0 +1,191 @@
+"""Per-worker step programs (`runtime.worker_program`) and the socket transport between workers
+(`runtime.transport`), without Ray: the programs of every stage, run together, never deadlock,
+read only what they hold, free each value after its last reader; values cross between two
+transports whole, in every dtype, and a missing or unreadable one is a clear error in bounded
+time."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar.models import GPTConfig, gpt
+from autopar.runtime.layout import PipelineLayout
+from autopar.runtime.transport import SocketTransport, TransferTimeoutError
+from autopar.runtime.worker_program import Free, Receive, Run, Send, Take, worker_programs
+
+
+def _layout(stages: int, micro_batches: int, schedule: str) -> PipelineLayout:
+    config = GPTConfig(num_layers=4)
+    method = autopar.PipeshardParallel(
+        num_micro_batches=micro_batches,
+        layer_option=autopar.AutoLayerOption(layer_num=4),
+        stage_option=autopar.UniformStageOption(stages),
+        pipeline_schedule=schedule,
+    )
+    step = autopar.parallelize(gpt.make_train_step(autopar.value_and_grad), method=method)
+    state, batch = gpt.create_train_state(config, batch_size=2), gpt.make_batch(config, 16)
+    return step.get_executable(state, batch).layout
+
+
+def _run_symbolically(layout: PipelineLayout) -> dict[int, list]:
+    """Every stage's program run in lockstep, a `Receive` waiting for its `Send`: per stage,
+    the tasks in the order they ran. Fails on a deadlock, a read of a value the stage does not
+    hold, or a value freed while a later task of the stage still reads it."""
+    programs = worker_programs(layout)
+    position = [0] * len(programs)
+    sent: set[tuple] = set()
+    held: list[set] = [set() for _ in programs]
+    ran: dict[int, list] = {s: [] for s in range(len(programs))}
+    while any(p < len(program) for p, program in zip(position, programs, strict=True)):
+        progressed = False
+        for s, program in enumerate(programs):
+            while position[s] < len(program):
+                instruction = program[position[s]]
+                if isinstance(instruction, Receive):
+                    if (instruction.key, instruction.source, s) not in sent:
+                        break  # waits for the other stage
+                    held[s].add(instruction.key)
+                elif isinstance(instruction, Take):
+                    held[s].add(instruction.key)
+                elif isinstance(instruction, Send):
+                    assert instruction.key in held[s], f"stage {s} sends {instruction.key} early"
+                    sent.add((instruction.key, s, instruction.target))
+                elif isinstance(instruction, Free):
+                    for key in instruction.keys:
+                        later = _reads_later(program[position[s] + 1 :], key)
+                        assert not later, f"stage {s} frees {key} before {later[0]} reads it"
+                        held[s].discard(key)
+                else:
+                    missing = _reads(held[s], instruction) - held[s]
+                    assert not missing, f"{instruction} on stage {s} reads unheld {missing}"
+                    held[s].update(layout.writes_of(instruction.segment, instruction.micro_batch))
+                    ran[s].append((instruction.segment.kind.value, instruction.micro_batch))
+                position[s] += 1
+                progressed = True
+        assert progressed, f"the programs deadlock at positions {position}"
+    return ran
+
+
+def _reads(held: set, run: Run) -> set:
+    """The keys a task reads, as `StageRunner.run` looks them up."""
+    j = run.micro_batch
+    return {(v, j) if (v, j) in held else (v, None) for v in run.segment.reads}
+
+
+def _reads_later(program, key) -> list:
+    var, j = key
+    return [
+        i
+        for i in program
+        if isinstance(i, Run) and var in i.segment.reads and j in (None, i.micro_batch)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stages", "micro_batches", "schedule"),
+    [(2, 4, "1f1b"), (4, 4, "1f1b"), (4, 8, "1f1b"), (2, 4, "gpipe"), (4, 2, "gpipe")],
+)
+def test_stage_programs_run_together_in_the_schedule_order(stages, micro_batches, schedule):
+    layout = _layout(stages, micro_batches, schedule)
+    ran = _run_symbolically(layout)
+    for s in range(stages):
+        expected = [
+            (t.kind.value, t.micro_batch)
+            for t in layout.schedule.tasks_of_mesh(s)
+            if t.micro_batch is not None
+        ]
+        assert [r for r in ran[s] if r[0] != "apply"] == expected
+        assert any(kind == "apply" for kind, _ in ran[s])
+    programs = worker_programs(layout)
+    sends = sum(isinstance(i, Send) for p in programs for i in p)
+    receives = sum(isinstance(i, Receive) for p in programs for i in p)
+    assert sends == receives > 0
+    # Frees are merged: no two in a row.
+    for program in programs:
+        for a, b in zip(program, program[1:], strict=False):
+            assert not (isinstance(a, Free) and isinstance(b, Free))
+
+
+# ---------------------------------------------------------------------------------- transport
+
+
+@pytest.fixture
+def two_transports():
+    """Stage 0 and stage 1, one worker each, connected over the loopback interface."""
+    key = b"test-key"
+    first, second = SocketTransport("127.0.0.1", key, 5.0), SocketTransport("127.0.0.1", key, 5.0)
+    for t in (first, second):
+        t.connect([[first.address], [second.address]])
+    return first, second
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(24, dtype=np.float32).reshape(4, 6),
+        np.float32(3.5),
+        np.arange(8, dtype=np.int32),
+        jnp.arange(16, dtype=jnp.bfloat16).reshape(4, 4),
+        np.array([True, False, True]),
+        np.zeros((0, 3), np.float32),
+        jax.random.split(jax.random.key(0), 4),
+    ],
+    ids=["f32", "scalar", "i32", "bf16", "bool", "empty", "typed-keys"],
+)
+def test_values_cross_whole_with_their_dtype(two_transports, value):
+    first, second = two_transports
+    devices = jax.devices()[:4]
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    split = P("x") if np.ndim(value) and np.shape(value)[0] % 4 == 0 else P()
+    sharded = jax.device_put(value, NamedSharding(mesh, split))
+    first.send((7, 3, 1), sharded, target=1, clock=0.25)
+    first.flush()
+    aval = jax.typeof(sharded)
+    received, sent_at = second.receive((7, 3, 1), 0, aval, "x")
+    assert sent_at == 0.25
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        np.testing.assert_array_equal(jax.random.key_data(received), jax.random.key_data(value))
+    else:
+        assert np.asarray(received).dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(np.asarray(received), np.asarray(value))
+    assert first.bytes_sent > 0 or np.size(value) == 0
+
+
+def test_a_value_that_never_comes_is_an_error_naming_it():
+    transport = SocketTransport("127.0.0.1", b"k", 0.2)
+    transport.connect([[transport.address]])
+    with pytest.raises(TransferTimeoutError, match=r"activation of micro-batch 2 from stage 0"):
+        transport.receive(
+            (0, 1, 2), 0, jax.ShapeDtypeStruct((2,), np.float32), "activation of micro-batch 2"
+        )
+
+
+def test_a_message_that_cannot_be_read_fails_the_waiting_receive_at_once(two_transports):
+    first, second = two_transports
+    connection = first._connection(second.address)
+    connection.send_bytes(b"not json")  # what a broken or foreign sender would write
+    waited = threading.Event()
+
+    def receive():
+        with pytest.raises(RuntimeError, match="receiving values from another stage failed"):
+            second.receive((0, 0, None), 0, jax.ShapeDtypeStruct((), np.float32), "x")
+        waited.set()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    thread.join(timeout=3)
+    assert waited.is_set()  # well before the 5 s timeout
+
+
+def test_a_peer_without_the_key_is_refused(two_transports):
+    from multiprocessing.connection import AuthenticationError, Client
+
+    _, second = two_transports
+    with pytest.raises(AuthenticationError):
+        Client(second.address, authkey=b"wrong")
