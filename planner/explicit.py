@@ -105,12 +105,14 @@ class _Gradient:
     spec: Spec  # how the summed gradient is stored
     param: int  # the step input that stores its parameter
     nbytes: int  # of its parameter
+    sums: tuple[str, ...]  # the sums of its chain (`GradientChain.sums`)
 
 
 def _gradients(program: Program, stage: ZeroStage, axes, n: int) -> list[_Gradient]:
     """Every parameter gradient at the gradient boundary, with the spec `stage` stores it in."""
     sig, graph = program.signature, program.graph
     params = param_inputs(graph)
+    sums = {(c.boundary, c.position): c.sums for c in gradient_chains(graph)}
     found = []
     for node in nodes_by_primitive(graph, GRAD_BOUNDARY):
         grad_of = node.params["grad_of"]
@@ -125,7 +127,12 @@ def _gradients(program: Program, stage: ZeroStage, axes, n: int) -> list[_Gradie
                 else split_spec(aval.shape, axes, n)
             )
             nbytes = sig.input_avals[params[of]].nbytes
-            found.append(_Gradient(node.id, position, operand, spec, params[of], nbytes))
+            # A parameter used twice (a tied embedding) has a sum per use; XLA reduces each
+            # where the gradient is not accumulated first.
+            chain_sums = sums.get((node.id, position), ())
+            found.append(
+                _Gradient(node.id, position, operand, spec, params[of], nbytes, chain_sums)
+            )
     return found
 
 
@@ -483,6 +490,21 @@ def _gathers(
     return at_uses + updates
 
 
+def _summed_per_micro_batch(
+    program: Program, gradients: list[_Gradient], once: list[bool]
+) -> float:
+    """Bytes the gradients reduced per micro-batch sum over devices per micro-batch: XLA
+    reduces each sum of their chains by itself (a tied embedding's two uses twice; a sum that
+    several parameters' gradients are sliced from once); a gradient without sums, whole."""
+    graph = program.graph
+    per_micro_batch = [g for g, o in zip(gradients, once, strict=True) if not o]
+    distinct = {n for g in per_micro_batch for n in g.sums}
+    return float(
+        sum(graph.node(n).out_avals[0].nbytes for n in distinct)
+        + sum(g.nbytes for g in per_micro_batch if not g.sums)
+    )
+
+
 def predict(
     program: Program,
     step: _Step,
@@ -496,7 +518,8 @@ def predict(
     """Step time and memory of a data-parallel plan under the α-β cost model.
 
     Communication per step (bytes as the HLO's collective results count them), for k
-    micro-batches, gradients of G bytes reduced once per step and of g bytes per micro-batch:
+    micro-batches, gradients of G bytes reduced once per step and of g bytes per micro-batch
+    (each sum of a gradient's chain reduced by itself):
     DP all-reduce(G) + k·all-reduce(g); ZeRO-2 and ZeRO-3 reduce-scatter(G) + k·reduce-scatter(g)
     and their all-gathers (`_gathers`). Memory is the peak of the liveness model (`_memory`);
     compute adds the fresh-memory time of the temporaries (`roofline.fresh_memory_s`).
@@ -506,7 +529,7 @@ def predict(
     axes = mesh.axis_names
     k = num_micro_batches
     reduced_once = float(sum(g.nbytes for g, o in zip(gradients, once, strict=True) if o))
-    per_micro_batch = float(sum(g.nbytes for g in gradients)) - reduced_once
+    per_micro_batch = _summed_per_micro_batch(program, gradients, once)
     if stage is ZeroStage.DATA_PARALLEL:
         comm_bytes = reduced_once + k * per_micro_batch
         comm = lmesh.all_reduce_cost(reduced_once, axes) + k * lmesh.all_reduce_cost(
