@@ -33,6 +33,7 @@ from autopar.planner.pipeline import StepParts, split_step
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.planner.program import Program
+from autopar.planner.schedules import PipelineSchedule
 from autopar.remat import RematTrace, plan_with_remat
 from autopar.runtime.compile import compile_plan
 from autopar.runtime.executable import Executable
@@ -143,7 +144,7 @@ def _plan_as_traced(
     if isinstance(method, PipeshardParallel):
         config = PipelineConfig(
             num_micro_batches=k,
-            schedule=method.pipeline_schedule,
+            schedules=method.schedules,
             stage_option=method.stage_option,
             intra=method.auto_sharding_option.to_config(),
         )
@@ -250,7 +251,7 @@ def _with_context(
         cluster_shape=cluster_shape,
         intra=option.to_config(),
         num_micro_batches=k,
-        schedule=plan.pipeline_schedule or "1f1b",
+        schedule=PipelineSchedule.parse(plan.pipeline_schedule or "1f1b"),
         single_mesh_program=None if reuse else single_mesh_program,
         layered=layered,
     )

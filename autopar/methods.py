@@ -26,7 +26,12 @@ from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explicit import ZeroStage
 from autopar.planner.plan import MeshPlan, Plan
-from autopar.runtime.schedules import SCHEDULES
+from autopar.planner.schedules import (
+    AUTO_SCHEDULE,
+    SCHEDULES,
+    PipelineSchedule,
+    candidate_schedules,
+)
 
 
 def _check_micro_batches(value: int | None) -> None:
@@ -133,7 +138,10 @@ class PipeshardParallel:
         "auto" (`AutoLayerOption(layer_num=2)`, Alpa's default) are accepted.
       stage_option: `UniformStageOption(num_stages)`, `AutoStageOption()` (Alpa's DP) or
         `ManualStageOption(...)`; or Alpa's strings "uniform" and "auto".
-      pipeline_schedule: "1f1b" (at most n-i micro-batches in flight on stage i) or "gpipe".
+      pipeline_schedule: "1f1b" (at most n-i micro-batches in flight on stage i), "gpipe" (all
+        in flight), "zero_bubble" (backward split into input and weight gradients, weight
+        gradients filling the bubble, 1F1B's micro-batches in flight) or "auto" (the stage
+        search plans each and keeps the fastest).
       auto_sharding_option: options of each stage's intra-op ILP.
     """
 
@@ -168,9 +176,10 @@ class PipeshardParallel:
                 raise InvalidArgumentError(
                     f"{name} must be one of {kind}, got {getattr(self, name)!r}"
                 )
-        if self.pipeline_schedule not in SCHEDULES:
+        if self.pipeline_schedule not in (*SCHEDULES, AUTO_SCHEDULE):
             raise InvalidArgumentError(
-                f"pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
+                f"pipeline_schedule must be one of {(*SCHEDULES, AUTO_SCHEDULE)}, got "
+                f"{self.pipeline_schedule!r}"
             )
         _check_mesh_rank("PipeshardParallel", self.devices)
 
@@ -178,6 +187,11 @@ class PipeshardParallel:
     def regather_params(self) -> bool:
         """Layers must stay visible to differentiation, so no whole-loss remat for FSDP."""
         return False
+
+    @property
+    def schedules(self) -> tuple[PipelineSchedule, ...]:
+        """The schedule to plan for, or the candidates of "auto" in order of preference."""
+        return candidate_schedules(self.pipeline_schedule)
 
     @property
     def profiles(self) -> bool:

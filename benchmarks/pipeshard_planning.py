@@ -6,6 +6,9 @@ stage_option=AutoStageOption())` in cost-model mode: trace, cluster layers, plan
 every logical mesh with the ILP, run the stage DP, and plan each chosen stage with the ILP. Then
 it costs Alpa's published plan for the same case with the same per-layer costs (layer split and
 unpublished logical meshes chosen as well as possible for it) and compares predicted step times.
+Last, with the same cached per-layer costs, the stage DP searches again under each pipeline
+schedule (1F1B, GPipe, zero bubble) and under "auto" (the fastest of them): the predicted step of
+each schedule's best plan.
 
     python benchmarks/pipeshard_planning.py [--cases 2.6B 6.7B 39B]
 
@@ -16,6 +19,7 @@ replaces their rows and keeps the others'.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -35,7 +39,13 @@ from autopar.models import GPTConfig, gpt
 from autopar.planner.errors import AutoparError
 from autopar.planner.pipeline import split_step
 from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
-from autopar.planner.stages import LOGICAL_SPACES, logical_mesh_shapes, manual_stages
+from autopar.planner.schedules import AUTO_SCHEDULE, PipelineSchedule, candidate_schedules
+from autopar.planner.stages import (
+    LOGICAL_SPACES,
+    logical_mesh_shapes,
+    manual_stages,
+    solve_stages,
+)
 
 logger = logging.getLogger("pipeshard_planning")
 
@@ -96,7 +106,9 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         stage_option=autopar.AutoStageOption(submesh_logical_shape_space=args.logical_space),
         auto_sharding_option=option,
     )
-    pipeline = PipelineConfig(micro_batches, "1f1b", method.stage_option, option.to_config())
+    pipeline = PipelineConfig(
+        micro_batches, method.schedules, method.stage_option, option.to_config()
+    )
     start = time.perf_counter()
     traced = trace_gpt_step(method, state, batch)
     traced_at = time.perf_counter()
@@ -119,6 +131,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         layers, *cluster.physical_mesh_shape, micro_batches, costs, memory, ours
     ).step_latency_s
     alpa = _alpa_plan(costs, case, cluster.physical_mesh_shape, memory)
+    schedules = _schedule_steps(costs, pipeline, layers, cluster.physical_mesh_shape, memory)
     return {
         "case": name,
         "params": gpt.param_count(config),
@@ -136,8 +149,36 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "dp_step_s": ours_step,
         "alpa_step_s": alpa["step_s"],
         "alpa_stages": alpa["stages"],
+        "schedule_steps_s": schedules,
         "notes": list(plan.notes),
     }
+
+
+def _schedule_steps(
+    costs: LayerCosts, pipeline: PipelineConfig, layers: int, cluster_shape, memory: float
+) -> dict[str, float | None]:
+    """The stage DP's best step under each schedule and under "auto" (None: no plan fits),
+    from the layer plans already cached; squeezed plans are offered wherever any schedule
+    could need them."""
+    costs.config = dataclasses.replace(pipeline, schedules=candidate_schedules(AUTO_SCHEDULE))
+    steps: dict[str, float | None] = {}
+    for schedule in PipelineSchedule:
+        try:
+            solution = solve_stages(
+                layers,
+                *cluster_shape,
+                pipeline.num_micro_batches,
+                costs,
+                memory,
+                pipeline.stage_option,
+                schedule=schedule,
+            )
+            steps[schedule.value] = solution.step_latency_s
+        except AutoparError:
+            steps[schedule.value] = None
+    found = [s for s in steps.values() if s is not None]
+    steps[AUTO_SCHEDULE] = min(found) if found else None
+    return steps
 
 
 def _submesh(stage, cluster) -> tuple[int, int]:
@@ -196,7 +237,28 @@ def markdown(result: dict[str, Any]) -> str:
         "under our cost model. The full plan's own "
         "prediction (each stage re-planned as a whole) is in the JSON (`predicted_step_s`). "
         f"Target: 39B on 64 devices in ≤ {TARGET_S:.0f} s total.",
+        "",
+        "## Pipeline schedules",
+        "",
+        "The stage DP's best plan under each schedule, from the same per-layer costs (GPipe keeps "
+        "every micro-batch in flight; zero bubble splits the backward into input and weight "
+        'gradients and fills the bubble with the latter, `planner.schedules`). "auto" is '
+        'what `pipeline_schedule="auto"` picks.',
+        "",
+        "| case | 1F1B step s | GPipe step s | zero bubble step s | auto step s | auto / 1F1B |",
+        "|---|---|---|---|---|---|",
     ]
+    for r in result["rows"]:
+        steps = r.get("schedule_steps_s")
+        if not steps:
+            continue
+        cells = [
+            "no plan" if steps[k] is None else f"{steps[k]:.3f}"
+            for k in ("1f1b", "gpipe", "zero_bubble", "auto")
+        ]
+        base, auto = steps["1f1b"], steps["auto"]
+        gain = "–" if base is None or auto is None else f"{auto / base:.3f}"
+        lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {gain} |")
     return "\n".join(lines) + "\n"
 
 

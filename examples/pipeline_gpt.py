@@ -1,6 +1,7 @@
 """Pipeline a GPT train step over 8 simulated CPU devices with PipeshardParallel.
 
-    python examples/pipeline_gpt.py [--stages 2|4] [--schedule 1f1b|gpipe] [--auto-stages]
+    python examples/pipeline_gpt.py [--stages 2|4] [--schedule 1f1b|gpipe|zero_bubble|auto]
+        [--auto-stages]
 
 One layer per transformer block (`pipeline_boundaries=True` marks them), grouped into stages on
 disjoint sub-meshes; each stage is sharded by the ILP. Prints the plan, the schedule's clock
@@ -17,12 +18,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from autopar.models import GPTConfig, gpt  # noqa: E402
+from autopar.planner.schedules import AUTO_SCHEDULE, SCHEDULES  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2, choices=[1, 2, 4, 8])
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--schedule", choices=[*SCHEDULES, AUTO_SCHEDULE], default="1f1b")
     parser.add_argument("--auto-stages", action="store_true", help="let Alpa's stage DP choose")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)

@@ -2,10 +2,11 @@
 
 Left, the cluster's device grid (hosts x devices per host), each device coloured by the stage
 that runs on it. Right, the pipeline schedule as a timeline: one row per stage, one block per
-forward (light) and backward (dark) pass of a micro-batch, in the order of the plan's schedule
-(`runtime.schedules`: GPipe or 1F1B clock tables), each task starting when its stage is free
-and its inputs are ready. A stage's predicted time per micro-batch is split 1:2 between forward
-and backward (a backward pass does about twice a forward's FLOPs). The title gives the predicted
+forward (light) and backward (dark) pass of a micro-batch (under zero bubble: input gradient
+dark, weight gradient darker), in the order of the plan's schedule (`planner.schedules` clock
+tables), each task starting when its stage is free and its inputs are ready
+(`Schedule.timed`). A stage's predicted time per micro-batch is split as `WORK_SHARE` says
+(a backward pass does about twice a forward's FLOPs). The title gives the predicted
 bubble fraction (`planner.summary.bubble_fraction`). A plan that is not pipelined shows one
 stage running its micro-batches back to back.
 """
@@ -22,10 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from autopar.planner.plan import Plan
+from autopar.planner.schedules import WORK_SHARE, TaskKind, make_schedule
 from autopar.planner.summary import bubble_fraction, format_seconds, stage_latencies
-from autopar.runtime.schedules import TaskKind, make_schedule
-
-FORWARD_SHARE = 1 / 3  # of a stage's time per micro-batch; the backward takes the rest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,19 +44,11 @@ def pipeline_timeline(plan: Plan) -> tuple[Block, ...]:
     schedule = make_schedule(
         plan.pipeline_schedule or "1f1b", len(latencies), plan.num_micro_batches
     )
-    end: dict = {}
-    free = [0.0] * len(latencies)
-    blocks = []
-    for row in schedule.clocks:
-        for task in row:
-            if task is None or task.kind is TaskKind.APPLY:
-                continue
-            share = FORWARD_SHARE if task.kind is TaskKind.FORWARD else 1 - FORWARD_SHARE
-            ready = max((end[dep] for dep in schedule.dependencies(task)), default=0.0)
-            start = max(free[task.stage], ready)
-            end[task] = free[task.stage] = start + share * latencies[task.stage]
-            blocks.append(Block(task.stage, task.kind, task.micro_batch, start, end[task]))
-    return tuple(blocks)
+    times = schedule.timed(lambda task: WORK_SHARE[task.kind] * latencies[task.stage])
+    return tuple(
+        Block(task.stage, task.kind, task.micro_batch, start, end)
+        for task, (start, end) in times.items()
+    )
 
 
 def _stage_of_device(plan: Plan) -> dict[int, int]:
@@ -105,7 +96,14 @@ def _draw_timeline(ax, plan: Plan, colours) -> None:
         row = num_stages - 1 - b.stage
         base = to_rgba(colours(b.stage))
         forward = b.kind is TaskKind.FORWARD
-        colour = (*base[:3], 0.45) if forward else base
+        weight = b.kind is TaskKind.BACKWARD_WEIGHT
+        colour = (
+            (*base[:3], 0.45)
+            if forward
+            else (*(0.6 * c for c in base[:3]), 1.0)
+            if weight
+            else base
+        )
         width = (b.end_s - b.start_s) * scale
         thin = width < makespan * scale / 150  # many micro-batches: no outlines, only colour
         ax.add_patch(
@@ -119,7 +117,7 @@ def _draw_timeline(ax, plan: Plan, colours) -> None:
             )
         )
         if width > makespan * scale / 60:
-            label = f"{'F' if forward else 'B'}{b.micro_batch}"
+            label = f"{'F' if forward else 'W' if weight else 'B'}{b.micro_batch}"
             ax.text(
                 (b.start_s + b.end_s) / 2 * scale,
                 row + 0.5,

@@ -40,6 +40,7 @@ from autopar.planner.pipeline import StepParts
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, OpGroupCost, Plan
 from autopar.planner.program import Program
+from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.summary import format_bytes, format_seconds
 
 TOP_OP_GROUPS = 5
@@ -63,7 +64,7 @@ class PlanningContext:
     cluster_shape: tuple[int, int]
     intra: IntraOpConfig
     num_micro_batches: int
-    schedule: str = "1f1b"
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     single_mesh_program: Callable[[], Program] | None = None
     layered: Callable[[int], tuple[StepParts, Program]] | None = None
 
@@ -162,7 +163,7 @@ def price_pipeline(
     intra = dataclasses.replace(_baseline_config(ctx.intra), force_data_parallel=True)
     config = PipelineConfig(
         num_micro_batches=ctx.num_micro_batches,
-        schedule=ctx.schedule,
+        schedules=(ctx.schedule,),
         stage_option=UniformStageOption(num_stages=num_stages),
         intra=intra,
     )

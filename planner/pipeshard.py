@@ -12,10 +12,12 @@
    alternative per squeeze level; ignoring resharding between layers of one stage and the
    transfers between stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
-   per stage, the fastest alternative that fits with its micro-batches in flight.
+   per stage, the fastest alternative that fits with the micro-batches its schedule keeps in
+   flight, priced by the schedule's step time; with several candidate schedules ("auto") the
+   stages of each are searched and the fastest plan wins.
 4. Each chosen stage is planned as a whole by the ILP on its logical mesh, within device memory,
    counting the activations its other micro-batches in flight keep (`intra.Stash`); the plan's
-   predicted step time is Σ t + (B−1)·max t over those stage plans.
+   predicted step time is the schedule's (`PipelineSchedule.step_time`) over those stage plans.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from autopar.planner.pipeline import (
 from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
 from autopar.planner.program import Program, StepSignature
 from autopar.planner.progress import progress
+from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.stages import (
     CostFn,
     StageCost,
@@ -177,9 +180,14 @@ class PipelineConfig:
     """PipeshardParallel's choices as plain planner arguments."""
 
     num_micro_batches: int
-    schedule: str  # "1f1b" or "gpipe"
+    schedules: tuple[PipelineSchedule, ...]  # the schedule to run, or those "auto" picks among
     stage_option: object  # AutoStageOption | UniformStageOption | ManualStageOption
     intra: IntraOpConfig
+
+    def most_in_flight(self, stages_after: int) -> int:
+        """The most micro-batches a stage with `stages_after` stages after it may hold."""
+        k = self.num_micro_batches
+        return max(schedule.in_flight(stages_after, k) for schedule in self.schedules)
 
 
 @dataclasses.dataclass
@@ -361,9 +369,10 @@ class LayerCosts:
     def _squeezes(self, fastest: StageCost, end: int) -> bool:
         """Whether the DP gets squeezed alternatives of a stage ending at layer `end`, given
         its cost at its layers' fastest plans (the class docstring)."""
-        most_in_flight = 1 + self.parts.num_layers - end
+        most_in_flight = self.config.most_in_flight(self.parts.num_layers - end)
         need = fastest.static_memory_bytes + most_in_flight * fastest.activation_memory_bytes
-        # even at its fastest, a plan with this stage would be no better than the bound:
+        # even at its fastest, a plan with this stage would be no better than the bound (every
+        # schedule's step is at least B times its slowest stage):
         hopeless = self.config.num_micro_batches * fastest.latency_s >= self.step_bound_s
         return need > self.device_memory and not hopeless
 
@@ -393,15 +402,17 @@ def _solve(
     cost_fn: Callable,
     device_memory: float,
     config: PipelineConfig,
+    schedule: PipelineSchedule,
 ) -> StageSolution:
+    """The stages of the option's kind (DP, uniform or manual) under `schedule`."""
     from autopar.options import ManualStageOption, UniformStageOption
 
     args = (num_layers, *cluster_shape, config.num_micro_batches, cost_fn, device_memory)
     option = config.stage_option
     if isinstance(option, ManualStageOption):
-        return manual_stages(*args, option)
+        return manual_stages(*args, option, schedule)
     if isinstance(option, UniformStageOption):
-        return uniform_stages(*args, option)
+        return uniform_stages(*args, option, schedule)
     if isinstance(cost_fn, LayerCosts):
         # The DP asks for every layer on every candidate mesh. Plans found without squeezed
         # alternatives bound which stages are worth squeezing into memory: first the best
@@ -415,7 +426,7 @@ def _solve(
             )
         ]
         cost_fn.prefetch(logical for _, logical in meshes)
-        cost_fn.step_bound_s = _best_step(args, option, cost_fn.fastest)
+        cost_fn.step_bound_s = _best_step(args, option, schedule, cost_fn.fastest)
         stages = [
             (start, end, submesh, logical)
             for start in range(num_layers)
@@ -425,9 +436,10 @@ def _solve(
         if cluster_shape[0] > 1:
             cost_fn.prefetch_squeezed(stage for stage in stages if stage[2][0] == 1)
             within_host = functools.partial(_within_host, cost_fn)
-            cost_fn.step_bound_s = min(cost_fn.step_bound_s, _best_step(args, option, within_host))
+            bound = _best_step(args, option, schedule, within_host)
+            cost_fn.step_bound_s = min(cost_fn.step_bound_s, bound)
         cost_fn.prefetch_squeezed(stages)
-    return solve_stages(*args, option)
+    return solve_stages(*args, option, schedule=schedule)
 
 
 def _within_host(cost_fn: CostFn, start: int, end: int, submesh: tuple, logical: tuple):
@@ -435,23 +447,48 @@ def _within_host(cost_fn: CostFn, start: int, end: int, submesh: tuple, logical:
     return cost_fn(start, end, submesh, logical) if submesh[0] == 1 else None
 
 
-def _best_step(args: tuple, option, cost_fn: CostFn) -> float:
+def _best_step(args: tuple, option, schedule: PipelineSchedule, cost_fn: CostFn) -> float:
     """The step time of the best plan under `cost_fn` instead of args' (inf: none fits)."""
     num_layers, num_hosts, devices_per_host, num_micro_batches, _, memory = args
     try:
         solution = solve_stages(
-            num_layers, num_hosts, devices_per_host, num_micro_batches, cost_fn, memory, option
+            num_layers,
+            num_hosts,
+            devices_per_host,
+            num_micro_batches,
+            cost_fn,
+            memory,
+            option,
+            schedule=schedule,
         )
     except PlanningError:
         return math.inf
     return solution.step_latency_s
 
 
-def in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once under `schedule`."""
-    if schedule == "gpipe":
-        return num_micro_batches
-    return min(num_micro_batches, num_stages - stage)
+def _fastest_schedule(
+    num_layers: int,
+    cluster_shape: tuple[int, int],
+    cost_fn: CostFn,
+    device_memory: float,
+    config: PipelineConfig,
+) -> tuple[PipelineSchedule, StageSolution]:
+    """The stages searched under each of the config's schedules, and the schedule whose
+    stages step fastest (the first on ties); the first schedule's error where none has a
+    plan."""
+    found, errors = [], []
+    for schedule in config.schedules:
+        try:
+            solution = _solve(num_layers, cluster_shape, cost_fn, device_memory, config, schedule)
+        except PlanningError as error:
+            errors.append(error)
+            continue
+        found.append((solution.step_latency_s, len(found), schedule, solution))
+        logger.info("%s: predicted step %.4g s", schedule.value, solution.step_latency_s)
+    if not found:
+        raise errors[0]
+    _, _, schedule, solution = min(found, key=lambda f: f[:2])
+    return schedule, solution
 
 
 def _plan_stage(
@@ -494,7 +531,7 @@ def plan_pipeshard(
     start_time = time.perf_counter()
     costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     memory = config.intra.budget(cluster)
-    solution = _solve(parts.num_layers, cluster_shape, costs, memory, config)
+    schedule, solution = _fastest_schedule(parts.num_layers, cluster_shape, costs, memory, config)
     dp_seconds = time.perf_counter() - start_time
     ranges = [a.layers for a in solution.stages]
     placement = place_stages(parts, ranges)
@@ -506,7 +543,7 @@ def plan_pipeshard(
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
         mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
-        flight = in_flight(config.schedule, len(ranges), s, k)
+        flight = schedule.in_flight(len(ranges) - 1 - s, k)
         key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, flight)
         chosen.append((stage, mesh, key))
         if key not in jobs:
@@ -542,7 +579,7 @@ def plan_pipeshard(
             comm_bytes + p.communication_bytes,
             flops + p.flops,
         )
-    step = sum(latencies) + (k - 1) * max(latencies)
+    step = schedule.step_time(latencies, k)
     elapsed = time.perf_counter() - start_time
     shapes = ", ".join(
         f"layers [{a.layers[0]},{a.layers[1]}) on {a.submesh} as {a.logical_mesh}"
@@ -550,7 +587,7 @@ def plan_pipeshard(
     )
     # Timings stay out of the plan (logged only): the same program and options give the same plan.
     note = (
-        f"{len(ranges)} stage(s): {shapes}; {config.schedule}; stage search over "
+        f"{len(ranges)} stage(s): {shapes}; {schedule.value}; stage search over "
         f"{parts.num_layers} layers with {costs.ilp_solves} candidate ILP solves"
     )
     logger.info(
@@ -575,5 +612,5 @@ def plan_pipeshard(
         donated_inputs=sig.donated_inputs,
         fingerprint=program.fingerprint,
         notes=(note,),
-        pipeline_schedule=config.schedule,
+        pipeline_schedule=schedule.value,
     )

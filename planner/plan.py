@@ -176,7 +176,7 @@ class Plan:
     donated_inputs: tuple[int, ...] = ()
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
-    pipeline_schedule: str | None = None  # "1f1b" or "gpipe" for pipelined plans
+    pipeline_schedule: str | None = None  # a `PipelineSchedule` value for pipelined plans
     # How the step was traced for this plan (regather_params, layer_option), so that a plan file
     # can trace the same program again; filled in by `autopar.api`.
     tracing: Mapping[str, Any] = dataclasses.field(default_factory=dict)

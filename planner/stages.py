@@ -6,8 +6,11 @@ such plan with Alpa's dynamic program; `uniform_stages` and `manual_stages` cost
 user fixed. What a stage costs comes from the caller's `cost_fn` (in production the intra-op
 ILP's prediction for that layer range on that logical mesh), so this module only searches.
 
-A plan of stages with latencies t_1..t_S runs B micro-batches in Σ t + (B−1)·max t. Memory
-follows 1F1B: a stage with s stages after it keeps s+1 micro-batches of activations alive.
+A plan of stages with latencies t_1..t_S runs B micro-batches in the time its schedule says
+(`PipelineSchedule.step_time`: Σ t + (B−1)·max t for GPipe and 1F1B), and a stage holds the
+activations of as many micro-batches as the schedule keeps in flight where it sits
+(`PipelineSchedule.in_flight`: under 1F1B a stage with s stages after it keeps s+1, under GPipe
+all B).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from autopar.planner.errors import InvalidArgumentError, PlanningError, check_positive_int
+from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.summary import format_bytes
 
 if TYPE_CHECKING:
@@ -79,7 +83,7 @@ class StageAssignment:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageSolution:
-    """Stages in pipeline order and the step time Σ t + (B−1)·max t they predict."""
+    """Stages in pipeline order and the step time their schedule predicts."""
 
     stages: tuple[StageAssignment, ...]
     step_latency_s: float
@@ -188,15 +192,21 @@ def place_submeshes(
     return placed
 
 
-def _memory_need(cost: StageCost, stages_after: int) -> float:
-    """Per-device bytes under 1F1B: static state plus stages_after + 1 micro-batches of
-    activations in flight."""
-    return cost.static_memory_bytes + (stages_after + 1) * cost.activation_memory_bytes
+@dataclasses.dataclass(frozen=True)
+class Pipelining:
+    """How the stages run: B micro-batches under a schedule, which says what a stage holds and
+    what a plan takes."""
 
+    num_micro_batches: int
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
 
-def _step_latency(latencies: Sequence[float], num_micro_batches: int) -> float:
-    """Pipeline step time: Σ t + (B−1)·max t (Alpa §5.1)."""
-    return sum(latencies) + (num_micro_batches - 1) * max(latencies)
+    def memory_need(self, cost: StageCost, stages_after: int) -> float:
+        """Per-device bytes: static state plus the micro-batches of activations in flight."""
+        flight = self.schedule.in_flight(stages_after, self.num_micro_batches)
+        return cost.static_memory_bytes + flight * cost.activation_memory_bytes
+
+    def step(self, latencies: Sequence[float]) -> float:
+        return self.schedule.step_time(latencies, self.num_micro_batches)
 
 
 def _describe(solution: StageSolution) -> str:
@@ -227,7 +237,7 @@ def _fixed_solution(
     ranges: Sequence[tuple[int, int]],
     submeshes: Sequence[tuple[int, int]],
     logicals: Sequence[tuple[int, int]],
-    num_micro_batches: int,
+    pipe: Pipelining,
     cost_fn: CostFn,
     device_memory: float,
 ) -> StageSolution:
@@ -241,17 +251,18 @@ def _fixed_solution(
                 f"mesh {logical}) cannot run: cost_fn rejected it"
             )
         after = len(ranges) - 1 - i
-        fitting = [c for c in alternatives if _memory_need(c, after) <= device_memory]
+        fitting = [c for c in alternatives if pipe.memory_need(c, after) <= device_memory]
         if not fitting:
-            need = min(_memory_need(c, after) for c in alternatives)
+            need = min(pipe.memory_need(c, after) for c in alternatives)
+            flight = pipe.schedule.in_flight(after, pipe.num_micro_batches)
             raise PlanningError(
                 f"stage {i} (layers [{layers[0]},{layers[1]}) on {submesh}) needs {need:.4g} "
-                f"bytes per device with {after + 1} micro-batches in flight, but devices have "
-                f"{device_memory:.4g}"
+                f"bytes per device with {flight} micro-batches in flight under "
+                f"{pipe.schedule.value}, but devices have {device_memory:.4g}"
             )
         cost = min(fitting, key=lambda c: c.latency_s)
         stages.append(StageAssignment(tuple(layers), tuple(submesh), tuple(logical), cost))
-    step = _step_latency([a.cost.latency_s for a in stages], num_micro_batches)
+    step = pipe.step([a.cost.latency_s for a in stages])
     solution = StageSolution(tuple(stages), step)
     logger.info("stage plan: %s", _describe(solution))
     return solution
@@ -287,6 +298,7 @@ def uniform_stages(
     cost_fn: CostFn,
     device_memory: float,
     option: UniformStageOption,
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B,
 ) -> StageSolution:
     """Equal layer counts on equal sub-meshes, for users who want a fixed, simple pipeline."""
     _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
@@ -307,7 +319,7 @@ def uniform_stages(
         ranges,
         [submesh] * num_stages,
         [logical] * num_stages,
-        num_micro_batches,
+        Pipelining(num_micro_batches, schedule),
         cost_fn,
         device_memory,
     )
@@ -321,6 +333,7 @@ def manual_stages(
     cost_fn: CostFn,
     device_memory: float,
     option: ManualStageOption,
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B,
 ) -> StageSolution:
     """The user's stages, checked against this cluster and model, with their predicted cost."""
     _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
@@ -336,7 +349,7 @@ def manual_stages(
         ranges,
         option.submesh_physical_shapes,
         option.submesh_logical_shapes,
-        num_micro_batches,
+        Pipelining(num_micro_batches, schedule),
         cost_fn,
         device_memory,
     )
@@ -380,6 +393,7 @@ def _collect(
     cost_fn: CostFn,
     device_memory: float,
     max_stages: int,
+    pipe: Pipelining,
 ) -> _Candidates:
     """Ask cost_fn once for every candidate stage; tabulate latency and memory headroom."""
     costs = {}
@@ -402,10 +416,12 @@ def _collect(
         static[key] = cost.static_memory_bytes
         activation[key] = cost.activation_memory_bytes
     # Fitting is monotone in the stages after, so count how many counts fit (with the
-    # expression of _memory_need, so the DP and the fixed plans' checks agree to the bit).
+    # expression of Pipelining.memory_need, so the DP and the fixed plans' checks agree to the
+    # bit).
     max_after = np.full(shape, -1)
     for after in range(max_stages):
-        max_after += static + (after + 1) * activation <= device_memory
+        flight = pipe.schedule.in_flight(after, pipe.num_micro_batches)
+        max_after += static + flight * activation <= device_memory
     return _Candidates(cluster, tuple(submeshes), latency, max_after, costs)
 
 
@@ -433,8 +449,8 @@ class _Plan:
     def latency_sum(self) -> float:
         return sum(self.latencies)
 
-    def step(self, num_micro_batches: int) -> float:
-        return _step_latency(self.latencies, num_micro_batches)
+    def step(self, pipe: Pipelining) -> float:
+        return pipe.step(self.latencies)
 
 
 _Choices = list[tuple[np.ndarray, np.ndarray, float]]
@@ -526,29 +542,30 @@ def _placeable(cands: _Candidates, plan: _Plan) -> bool:
 
 
 def _better(
-    cands: _Candidates, plans: list[_Plan], incumbent: _Plan | None, num_micro_batches: int
+    cands: _Candidates, plans: list[_Plan], incumbent: _Plan | None, pipe: Pipelining
 ) -> _Plan | None:
     """The best placeable plan by (step time, stage count); the incumbent wins ties."""
     best = incumbent
     for plan in plans:
-        key = (plan.step(num_micro_batches), len(plan.stages))
-        if (best is None or key < (best.step(num_micro_batches), len(best.stages))) and _placeable(
+        key = (plan.step(pipe), len(plan.stages))
+        if (best is None or key < (best.step(pipe), len(best.stages))) and _placeable(
             cands, plan
         ):
             best = plan
     return best
 
 
-def _prune_limit(best: _Plan | None, floor_sum: float, num_micro_batches: int) -> float:
+def _prune_limit(best: _Plan | None, floor_sum: float, pipe: Pipelining) -> float:
     """Bounds worth trying lie below this: a plan whose slowest stage takes t and whose Σ is at
-    least floor_sum steps in floor_sum + (B−1)·t or more, which must beat the best found
-    (Alpa's early stop, with the tightest Σ bound known so far)."""
+    least floor_sum steps in c·floor_sum + (B−c)·t or more (`PipelineSchedule.step_time`),
+    which must beat the best found (Alpa's early stop, with the tightest Σ bound known so far)."""
     if best is None:
         return math.inf
-    gap = best.step(num_micro_batches) - floor_sum
-    if num_micro_batches == 1:
+    c = pipe.schedule.bubble_share
+    gap = best.step(pipe) - c * floor_sum
+    if pipe.num_micro_batches <= c:
         return math.inf if gap > 0 else -math.inf
-    return gap / (num_micro_batches - 1)
+    return gap / (pipe.num_micro_batches - c)
 
 
 def _admissible(plans: list[_Plan], tolerance: float) -> list[_Plan]:
@@ -557,7 +574,7 @@ def _admissible(plans: list[_Plan], tolerance: float) -> list[_Plan]:
 
 
 def _search(
-    cands: _Candidates, num_micro_batches: int, tolerance: float, max_stages: int
+    cands: _Candidates, pipe: Pipelining, tolerance: float, max_stages: int
 ) -> _Plan | None:
     """Alpa's outer loop: the DP under bounds t_max on stage latency, keeping the best step.
 
@@ -568,15 +585,15 @@ def _search(
     bound is the largest below t': one DP per point of the (Σ, max) Pareto front, not one per
     distinct latency. With a finite tolerance τ a bound t only admits stages of latency
     ≥ t/τ, so each bound in [t', t] gets its own windowed DP. Bounds t with
-    G + (B−1)·t ≥ the best step are skipped, and the search stops where the DP without
-    tolerance has no plan.
+    c·G + (B−c)·t ≥ the best step are skipped (`_prune_limit`), and the search stops where the
+    DP without tolerance has no plan.
     """
     relaxed = _best_logical(cands, max_stages, 0.0, math.inf)
     levels = np.unique(cands.latency[cands.max_after >= 0])
     best, floor_sum, covered_low = None, -math.inf, math.inf
     index = len(levels) - 1
     while True:
-        limit = _prune_limit(best, floor_sum, num_micro_batches)
+        limit = _prune_limit(best, floor_sum, pipe)
         index = min(index, int(np.searchsorted(levels, limit, side="left")) - 1)
         if index < 0:
             return best
@@ -585,14 +602,14 @@ def _search(
             plans = _evaluate(cands, relaxed, bound, (0.0, math.inf))
             if not plans:
                 return best
-            best = _better(cands, _admissible(plans, tolerance), best, num_micro_batches)
+            best = _better(cands, _admissible(plans, tolerance), best, pipe)
             floor_sum, covered_low = min((p.latency_sum, max(p.latencies)) for p in plans)
             if tolerance == math.inf:
                 index = int(np.searchsorted(levels, covered_low, side="left")) - 1
             continue
         window = (bound / tolerance, bound)
         table = _best_logical(cands, max_stages, *window)
-        best = _better(cands, _evaluate(cands, table, bound, window), best, num_micro_batches)
+        best = _better(cands, _evaluate(cands, table, bound, window), best, pipe)
         index -= 1
 
 
@@ -615,18 +632,23 @@ def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]
 
 
 def _no_plan_error(
-    cands: _Candidates, num_layers: int, device_memory: float, max_stages: int
+    cands: _Candidates, num_layers: int, device_memory: float, max_stages: int, pipe: Pipelining
 ) -> PlanningError:
     hosts, per_host = cands.cluster
     where = f"{num_layers} layers on {hosts}x{per_host} devices (max_stages={max_stages})"
     if not cands.costs:
         return PlanningError(f"no stage plan for {where}: cost_fn rejected every candidate stage")
     least = min(c.static_memory_bytes + c.activation_memory_bytes for _, c in cands.costs.values())
+    keeps = (
+        f"all {pipe.num_micro_batches} micro-batches of activations"
+        if pipe.schedule is PipelineSchedule.GPIPE
+        else "a micro-batch of activations for each stage after it"
+    )
     return PlanningError(
         f"no stage plan for {where} fits in {format_bytes(device_memory)} per device: under "
-        "1F1B a stage keeps a micro-batch of activations for each stage after it, and the least "
-        f"any single candidate stage needs with one is {format_bytes(least)} (state plus one "
-        "micro-batch of activations); use more micro-batches (smaller ones), "
+        f"{pipe.schedule.value} a stage keeps {keeps}, and the least any single candidate "
+        f"stage needs with one is {format_bytes(least)} (state plus one micro-batch of "
+        "activations); use more micro-batches (smaller ones), "
         'AutoLayerOption(remat_mode="coarse_grained") (a stage keeps only its layers\' inputs), '
         "or more devices"
     )
@@ -641,12 +663,14 @@ def solve_stages(
     device_memory: float,
     option: AutoStageOption | None = None,
     max_stages: int | None = None,
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B,
 ) -> StageSolution:
     """The stage plan with the least predicted step time (Alpa §5's DP).
 
     Searches contiguous layer ranges, Alpa's sub-mesh shapes and their logical meshes (as
-    `option` allows), using every device and keeping every stage within device memory under
-    1F1B. cost_fn is called once per candidate (start, end, sub-mesh, logical mesh).
+    `option` allows), using every device and keeping every stage within device memory with the
+    micro-batches `schedule` keeps in flight, priced by its step time. cost_fn is called once
+    per candidate (start, end, sub-mesh, logical mesh).
     Ties go to fewer stages. Exact when the sub-mesh shapes always tile the cluster (devices
     per host a power of two, or one host); otherwise the best plan that packs among those the
     DP found.
@@ -667,6 +691,7 @@ def solve_stages(
         logical_space = option.submesh_logical_shape_space
         tolerance = option.stage_imbalance_tolerance
     cap = min(max_stages or num_layers, num_layers, num_hosts * devices_per_host)
+    pipe = Pipelining(num_micro_batches, schedule)
     submeshes = submesh_shapes(num_hosts, devices_per_host, physical_space)
     cands = _collect(
         num_layers,
@@ -676,13 +701,12 @@ def solve_stages(
         cost_fn,
         device_memory,
         cap,
+        pipe,
     )
-    plan = _search(cands, num_micro_batches, tolerance, cap)
+    plan = _search(cands, pipe, tolerance, cap)
     if plan is None:
-        raise _no_plan_error(cands, num_layers, device_memory, cap)
+        raise _no_plan_error(cands, num_layers, device_memory, cap, pipe)
     stages = _assignments(cands, plan)
-    solution = StageSolution(
-        stages, _step_latency([a.cost.latency_s for a in stages], num_micro_batches)
-    )
+    solution = StageSolution(stages, pipe.step([a.cost.latency_s for a in stages]))
     logger.info("stage plan: %s", _describe(solution))
     return solution

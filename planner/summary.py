@@ -106,7 +106,8 @@ def stage_latencies(plan: Plan) -> list[float]:
 
 def bubble_fraction(plan: Plan) -> float:
     """The share of device time the pipeline idles: 1 − k·Σ t_i / (S · T) for S stages of
-    t_i seconds per micro-batch, k micro-batches and the predicted step T = Σ t + (k−1)·max t."""
+    t_i seconds per micro-batch, k micro-batches and the predicted step T (its schedule's,
+    `PipelineSchedule.step_time`)."""
     latencies = stage_latencies(plan)
     step = plan.predicted.step_time_s
     if step <= 0:

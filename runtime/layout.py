@@ -31,8 +31,8 @@ from jax.extend.core import JaxprEqn, Literal, Var
 from autopar.planner.pipeline import StagePlacement, StageProgram, place_stages, split_step
 from autopar.planner.pipeline import stage_program as build_stage_program
 from autopar.planner.plan import Plan
+from autopar.planner.schedules import GRADIENT_KINDS, Schedule, TaskKind, make_schedule
 from autopar.runtime.interpreter import free_vars
-from autopar.runtime.schedules import Schedule, TaskKind, make_schedule
 from autopar.tracing import TracedStep
 
 HOST = -1  # the "stage" of values the caller passed in
@@ -115,7 +115,7 @@ class PipelineLayout:
     def writes_of(self, segment: Segment, micro_batch: int | None) -> list[Key]:
         """The keys a task defines: its writes, plus the gradient means after the last backward."""
         keys: list[Key] = [(v, micro_batch) for v in segment.writes]
-        if segment.kind is TaskKind.BACKWARD and micro_batch == self.num_micro_batches - 1:
+        if segment.kind in GRADIENT_KINDS and micro_batch == self.num_micro_batches - 1:
             keys += [(v, None) for v in self.programs[segment.stage].means]
         return keys
 
@@ -137,10 +137,12 @@ class PipelineLayout:
             for level in sorted(set(levels[prog.index])):
                 eqns = [pe for pe, lv in zip(apply, levels[prog.index], strict=True) if lv == level]
                 pieces.append((prog, TaskKind.APPLY, level, eqns))
+        if self.schedule.split_backward:
+            pieces = self._split_backwards(pieces, outputs)
         reads = []
         for prog, kind, _, eqns in pieces:
             r = free_vars(eqns)
-            if kind is TaskKind.BACKWARD:
+            if kind in GRADIENT_KINDS:
                 inner = {x for _, e in eqns for x in e.outvars}
                 r += [g for g in prog.grads if isinstance(g, Var) and g not in r]
                 r = [v for v in r if v not in inner]
@@ -152,6 +154,37 @@ class PipelineLayout:
             self.segments[prog.index, kind, level] = Segment(
                 prog.index, kind, level, tuple(eqns), tuple(reads[n]), tuple(writes)
             )
+
+    @staticmethod
+    def _split_backwards(pieces: list, outputs: set[Var]) -> list:
+        """Each stage's backward as B (what the cotangents other stages read need) and W (the
+        rest: what only its parameter gradients need), for schedules that defer W."""
+        read_by: dict[Var, set[int]] = {}
+        for n, (_, _, _, eqns) in enumerate(pieces):
+            for v in free_vars(eqns):
+                read_by.setdefault(v, set()).add(n)
+        split = []
+        for n, (prog, kind, level, eqns) in enumerate(pieces):
+            if kind is not TaskKind.BACKWARD:
+                split.append((prog, kind, level, eqns))
+                continue
+            needed = {
+                v
+                for _, e in eqns
+                for v in e.outvars
+                if v in outputs or read_by.get(v, set()) - {n}
+            }
+            inputs = []
+            for node, e in reversed(eqns):  # producers of what leaves the stage, backwards
+                if needed.intersection(e.outvars):
+                    inputs.append((node, e))
+                    needed.update(v for v in e.invars if isinstance(v, Var))
+            inputs.reverse()
+            chosen = {node for node, _ in inputs}
+            weights = [(node, e) for node, e in eqns if node not in chosen]
+            split.append((prog, TaskKind.BACKWARD_INPUT, None, inputs))
+            split.append((prog, TaskKind.BACKWARD_WEIGHT, None, weights))
+        return split
 
     def _apply_levels(self, parts) -> list[list[int]]:
         """Per stage, the level of each apply eqn: one more than any other stage's apply result
@@ -184,9 +217,9 @@ class PipelineLayout:
     def _count_readers(self) -> dict[Var, int]:
         """How many per-micro-batch tasks read each variable (to free it after the last one)."""
         counts: dict[Var, int] = {}
-        for s in range(self.num_stages):
-            for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
-                for v in self.segment(s, kind).reads:
+        for (_, kind, _), segment in self.segments.items():
+            if kind is not TaskKind.APPLY:
+                for v in segment.reads:
                     counts[v] = counts.get(v, 0) + 1
         return counts
 

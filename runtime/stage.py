@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import NamedSharding
 
+from autopar.planner.schedules import GRADIENT_KINDS, TaskKind
 from autopar.runtime.accumulate import add_micro_batch, mean_over_micro_batches
 from autopar.runtime.executable import COLLECTIVES, MemoryStats, collective_bytes_per_step
 from autopar.runtime.interpreter import (
@@ -26,7 +27,6 @@ from autopar.runtime.interpreter import (
     read,
 )
 from autopar.runtime.layout import Key, PipelineLayout, Segment
-from autopar.runtime.schedules import TaskKind
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class StageRunner:
         """Run one task of this stage; its outputs are held as `layout.writes_of` names them."""
         j = micro_batch
         args = [self.values[(v, j) if (v, j) in self.values else (v, None)] for v in segment.reads]
-        if segment.kind is TaskKind.BACKWARD:
+        if segment.kind in GRADIENT_KINDS:
             first, last = j == 0, j == self.layout.num_micro_batches - 1
             outs, self._accumulated = self._function(segment, first, last)(self._accumulated, *args)
             if last:
@@ -118,7 +118,7 @@ class StageRunner:
     def _function(self, segment: Segment, first: bool = False, last: bool = False) -> _Jitted:
         key = (segment.kind, segment.level, first, last)
         if key not in self._jitted:
-            if segment.kind is TaskKind.BACKWARD:
+            if segment.kind in GRADIENT_KINDS:
                 fn = self._backward_fn(segment, first, last)
                 variant = "".join(("[first]" if first else "", "[last]" if last else ""))
                 name = segment.name + (variant or "[middle]")
@@ -180,7 +180,10 @@ class StageRunner:
         for (kind, _, first, last), jitted in self._jitted.items():
             if jitted.compiled is None:
                 continue
-            runs = {TaskKind.FORWARD: k, TaskKind.APPLY: 1}.get(kind, 1 if first or last else k - 2)
+            if kind in GRADIENT_KINDS:
+                runs = 1 if first or last else k - 2
+            else:
+                runs = 1 if kind is TaskKind.APPLY else k
             for name, nbytes in collective_bytes_per_step(jitted.compiled.as_text()).items():
                 total[name] += runs * nbytes
         return total

@@ -28,6 +28,7 @@ import optax
 from flax.training.train_state import TrainState
 
 import autopar
+from autopar.planner.schedules import SCHEDULES
 
 TOLERANCE = 1e-5
 NUM_DEVICES = 8
@@ -76,7 +77,7 @@ class FuzzCase:
     layer_num: int | None = None  # AutoLayerOption(layer_num)
     stage_option: str | None = None  # "auto" or "uniform"
     num_stages: int | None = None  # UniformStageOption(num_stages)
-    schedule: str | None = None  # "1f1b" or "gpipe"
+    schedule: str | None = None  # one of SCHEDULES
     # data
     batch_size: int = NUM_DEVICES
 
@@ -204,7 +205,7 @@ def draw_case(seed: int) -> FuzzCase:
             "layer_num": None if manual else layers,
             "stage_option": "auto" if auto_stages else "uniform",
             "num_stages": None if auto_stages else int(_pick(rng, stages)),
-            "schedule": str(_pick(rng, ("1f1b", "gpipe"))),
+            "schedule": str(_pick(rng, SCHEDULES)),
         }
     else:
         num_micro_batches = None if rng.random() < 0.2 else k

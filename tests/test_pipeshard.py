@@ -26,6 +26,7 @@ from autopar.planner.pipeshard import (
     stash_bytes,
     state_bytes,
 )
+from autopar.planner.schedules import TaskKind
 from autopar.runtime.profile import StageProfiler
 from autopar.tracing import resolve_argnums, trace_step
 
@@ -92,6 +93,10 @@ CASES = [
     ("gpt", 2, "gpipe", "auto"),
     ("gpt", 4, "1f1b", "auto"),
     ("gpt", 4, "gpipe", "manual"),
+    ("mlp", 2, "zero_bubble", "auto"),
+    ("mlp", 4, "zero_bubble", "manual"),
+    ("gpt", 2, "zero_bubble", "manual"),
+    ("gpt", 4, "zero_bubble", "auto"),
 ]
 
 
@@ -104,6 +109,39 @@ def test_matches_serial_step(family, stages, schedule, layers):
     plan = step.get_plan(state, batch)
     assert plan.pipeline_schedule == schedule
     _check_stages(state, plan, stages)
+
+
+def test_zero_bubble_runs_weight_gradients_as_their_own_tasks():
+    """The backward of each stage is cut in two: B computes what earlier stages read, W only
+    the stage's parameter gradients (and accumulates them); stage 0 sends nothing back."""
+    step, state, _, batch = _run("gpt", _method(2, "zero_bubble", "auto"), steps=1)
+    layout = step.get_executable(state, batch).layout
+    kinds = {kind for (_, kind, _) in layout.segments}
+    assert TaskKind.BACKWARD not in kinds
+    assert {TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT} <= kinds
+    first, last = (layout.segment(s, TaskKind.BACKWARD_INPUT) for s in (0, 1))
+    assert not first.eqns and last.eqns and last.writes  # stage 1's B feeds stage 0 and its W
+    weights = layout.segment(1, TaskKind.BACKWARD_WEIGHT)
+    assert weights.eqns and not weights.writes  # W only adds into the accumulators
+
+
+def test_auto_schedule_plans_each_and_keeps_the_fastest():
+    module, config = _config("gpt", False)
+    state = module.create_train_state(config, batch_size=2)
+    batch = module.make_batch(config, BATCH)
+    train_step = module.make_train_step(autopar.value_and_grad)
+    option = autopar.AutoStageOption()
+    steps = {
+        name: autopar.plan(
+            train_step, state, batch, method=_method(0, name, "auto", stage_option=option)
+        )
+        for name in ("1f1b", "zero_bubble", "gpipe", "auto")  # "auto"'s order on ties
+    }
+    auto = steps.pop("auto")
+    assert auto.pipeline_schedule == min(steps, key=lambda name: steps[name].predicted.step_time_s)
+    assert auto.predicted.step_time_s == pytest.approx(
+        min(p.predicted.step_time_s for p in steps.values())
+    )
 
 
 def test_auto_stages_run_and_match():
@@ -142,7 +180,7 @@ def test_profiled_stage_cost():
     )
     parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
     cluster = autopar.ClusterSpec.local(len(jax.devices()))
-    config = PipelineConfig(MICRO_BATCHES, "1f1b", method.stage_option, IntraOpConfig())
+    config = PipelineConfig(MICRO_BATCHES, method.schedules, method.stage_option, IntraOpConfig())
     profiler = StageProfiler(parts, traced.program, cluster, config, jax.devices())
     one, two = profiler(0, 1, (1, 2), (1, 2)), profiler(0, 2, (1, 2), (1, 2))
     profiler.close()
@@ -180,7 +218,9 @@ def _auto_stage_parts(num_micro_batches: int = MICRO_BATCHES):
         resolve_argnums(args, (), (1,), "auto"),
     )
     parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
-    pipeline = PipelineConfig(num_micro_batches, "1f1b", method.stage_option, IntraOpConfig())
+    pipeline = PipelineConfig(
+        num_micro_batches, method.schedules, method.stage_option, IntraOpConfig()
+    )
     return traced, parts, pipeline
 
 

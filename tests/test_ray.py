@@ -44,11 +44,12 @@ def _placement_groups() -> list[str]:
     return [k for k, v in table.items() if v["state"] != "REMOVED"]
 
 
-def _pipeline(stages: int = 2) -> autopar.PipeshardParallel:
+def _pipeline(stages: int = 2, schedule: str = "1f1b") -> autopar.PipeshardParallel:
     return autopar.PipeshardParallel(
         num_micro_batches=4,
         layer_option=autopar.AutoLayerOption(layer_num=4),
         stage_option=autopar.UniformStageOption(stages),
+        pipeline_schedule=schedule,
     )
 
 
@@ -114,6 +115,19 @@ def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
         (1, "backward"),
     }
     assert len(_alive_actors()) == 2
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_zero_bubble_on_workers_matches_serial(on_ray, stages):
+    """Each worker runs its stage's forwards, input-gradient and weight-gradient tasks in the
+    zero-bubble order; the input gradients go to the previous stage's worker."""
+    on_ray(autopar.ClusterSpec.local(8))
+    method = _pipeline(stages, "zero_bubble")
+    step, state, _, batch = parallel_steps(mlp, MLP, method, BATCH, STEPS)
+    params = jax.tree.map(np.asarray, state.params)
+    assert relative_error(params, serial_state(mlp, MLP, BATCH, STEPS).params) <= 1e-5
+    kinds = {t.segment.split(".")[1] for t in step.get_executable(state, batch).timeline()}
+    assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
 
 
 def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_worker(

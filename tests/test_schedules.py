@@ -6,12 +6,16 @@ import numpy as np
 import pytest
 
 from autopar.planner.errors import InvalidArgumentError
-from autopar.runtime.schedules import (
+from autopar.planner.schedules import (
+    AUTO_SCHEDULE,
     SCHEDULES,
+    WORK_SHARE,
+    PipelineSchedule,
     Schedule,
     Task,
     TaskKind,
     _simulate,
+    candidate_schedules,
     make_schedule,
 )
 
@@ -28,10 +32,19 @@ def A(stage):
     return Task(TaskKind.APPLY, stage, None)
 
 
+def I(stage, micro_batch):  # noqa: E743 - zero bubble's B: the input gradient
+    return Task(TaskKind.BACKWARD_INPUT, stage, micro_batch)
+
+
+def W(stage, micro_batch):
+    return Task(TaskKind.BACKWARD_WEIGHT, stage, micro_batch)
+
+
 SIZES = [(n, m) for n in range(1, 7) for m in range(1, 10)]
+WHOLE_BACKWARD = ("gpipe", "1f1b")
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", WHOLE_BACKWARD)
 @pytest.mark.parametrize(("n", "m"), SIZES)
 def test_schedule_is_complete_valid_and_takes_2_n_plus_m_minus_1_clocks(name, n, m):
     schedule = make_schedule(name, n, m)
@@ -49,7 +62,7 @@ def test_schedule_is_complete_valid_and_takes_2_n_plus_m_minus_1_clocks(name, n,
     assert len(compute) == 2 * n * m
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", WHOLE_BACKWARD)
 def test_clock_count_up_to_8_stages_and_16_micro_batches(name):
     for n in range(1, 9):
         for m in range(1, 17):
@@ -57,11 +70,70 @@ def test_clock_count_up_to_8_stages_and_16_micro_batches(name):
 
 
 @pytest.mark.parametrize(("n", "m"), SIZES)
+def test_zero_bubble_is_complete_valid_and_fills_the_bubble_with_weight_gradients(n, m):
+    """3m + 2(n−1) clocks with F, B and W one clock each, against 3(m + n − 1) for 1F1B whose
+    backward takes two; every W after its B; 1F1B's micro-batches in flight."""
+    schedule = make_schedule("zero_bubble", n, m)
+    schedule.validate()
+    assert schedule.split_backward
+    assert schedule.num_compute_clocks == 3 * m + 2 * (n - 1)
+    for mesh in range(n):
+        tasks = schedule.tasks_of_mesh(mesh)
+        for kind in (TaskKind.FORWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT):
+            assert [t.micro_batch for t in tasks if t.kind is kind] == list(range(m))
+        assert not any(t.kind is TaskKind.BACKWARD for t in tasks)
+        assert schedule.max_in_flight(mesh) == min(n - mesh, m)
+
+
+def test_zero_bubble_table_by_hand():
+    schedule = make_schedule("zero_bubble", 2, 3)
+    assert schedule.to_text() == (
+        "zero_bubble: 2 stages, 3 micro-batches, 11 compute clocks + 1 apply clock\n"
+        "mesh 0: F0 F1 .  B0 W0 F2 B1 W1 .  B2 W2 A\n"
+        "mesh 1: .  F0 B0 W0 F1 B1 W1 F2 B2 W2 .  A"
+    )
+    assert schedule.dependencies(I(0, 1)) == (F(0, 1), I(1, 1))
+    assert schedule.dependencies(W(0, 1)) == (I(0, 1),)
+    assert schedule.dependencies(A(1)) == (W(1, 0), W(1, 1), W(1, 2))
+    early = _swapped_on_mesh_0(schedule, 3, 4)  # W0 before B0 on mesh 0
+    with pytest.raises(
+        ValueError,
+        match=r"backward_weight\(stage=0, micro_batch=0\) runs at clock 3 but its dependency "
+        r"backward_input",
+    ):
+        early.validate()
+
+
+@pytest.mark.parametrize(("n", "m"), SIZES)
 def test_in_flight_micro_batches(n, m):
+    """What the planner asks without a table equals what the table keeps in flight."""
+    for name in SCHEDULES:
+        schedule = make_schedule(name, n, m)
+        for mesh in range(n):
+            planned = PipelineSchedule.parse(name).in_flight(n - 1 - mesh, m)
+            assert schedule.max_in_flight(mesh) == planned, (name, mesh)
     one_f_one_b, gpipe = make_schedule("1f1b", n, m), make_schedule("gpipe", n, m)
     for mesh in range(n):
         assert one_f_one_b.max_in_flight(mesh) == min(n - mesh, m)
         assert gpipe.max_in_flight(mesh) == m
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (2, 3), (4, 8), (4, 2), (6, 9)])
+def test_step_time_is_the_table_timed_for_equal_stages(name, n, m):
+    """c·Σ t + (m − c)·max t is the table's makespan when every stage takes t per micro-batch,
+    each task its WORK_SHARE of it."""
+    schedule = PipelineSchedule.parse(name)
+    times = schedule.table(n, m).timed(lambda task: WORK_SHARE[task.kind] * 3.0)
+    assert max(end for _, end in times.values()) == pytest.approx(schedule.step_time([3.0] * n, m))
+
+
+def test_candidate_schedules():
+    assert candidate_schedules("gpipe") == (PipelineSchedule.GPIPE,)
+    assert set(candidate_schedules(AUTO_SCHEDULE)) == set(PipelineSchedule)
+    assert candidate_schedules(AUTO_SCHEDULE)[0] is PipelineSchedule.ONE_F_ONE_B
+    with pytest.raises(InvalidArgumentError, match="'2f2b' is unknown"):
+        candidate_schedules("2f2b")
 
 
 def test_gpipe_table_by_hand():
@@ -157,6 +229,7 @@ def test_simulation_reports_deadlock_instead_of_hanging():
     ("args", "message"),
     [
         (("zero-bubble", 2, 2), r"schedule name='zero-bubble' is unknown; choose one of \('gpipe'"),
+        (("zero_bubble", 0, 2), "num_stages=0 must be a positive integer"),
         (("1f1b", 0, 2), "num_stages=0 must be a positive integer"),
         (("gpipe", 2, -1), "num_micro_batches=-1 must be a positive integer"),
         (("1f1b", 2.0, 2), "num_stages=2.0 must be a positive integer"),

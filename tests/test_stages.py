@@ -11,6 +11,7 @@ import pytest
 
 from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
 from autopar.planner.errors import InvalidArgumentError, PlanningError
+from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.stages import (
     StageCost,
     forces_batch_dim,
@@ -22,13 +23,24 @@ from autopar.planner.stages import (
     uniform_stages,
 )
 
+# What each schedule keeps in flight on a stage with `after` stages behind it, and its bubble
+# share c (step = c·Σt + (B−c)·max t), written out here independently of planner.schedules.
+IN_FLIGHT = {
+    "1f1b": lambda after, m: min(after + 1, m),
+    "gpipe": lambda after, m: m,
+    "zero_bubble": lambda after, m: min(after + 1, m),
+}
+BUBBLE_SHARE = {"1f1b": 1.0, "gpipe": 1.0, "zero_bubble": 2 / 3}
 
-def _fits(cost: StageCost, after: int, memory: float) -> bool:
-    return cost.static_memory_bytes + (after + 1) * cost.activation_memory_bytes <= memory
+
+def _fits(cost: StageCost, after: int, memory: float, m: int, schedule: str = "1f1b") -> bool:
+    flight = IN_FLIGHT[schedule](after, m)
+    return cost.static_memory_bytes + flight * cost.activation_memory_bytes <= memory
 
 
-def _step(latencies, num_micro_batches: int) -> float:
-    return sum(latencies) + (num_micro_batches - 1) * max(latencies)
+def _step(latencies, num_micro_batches: int, schedule: str = "1f1b") -> float:
+    c = BUBBLE_SHARE[schedule]
+    return c * sum(latencies) + (num_micro_batches - c) * max(latencies)
 
 
 # --- shape spaces ------------------------------------------------------------------------------
@@ -142,7 +154,9 @@ def _random_table(rng, num_layers, cluster, physical_space, logical_space, alter
     return table, float(np.quantile(needs, 0.7))
 
 
-def _brute_force(num_layers, cluster, num_micro_batches, table, memory, space, tolerance):
+def _brute_force(
+    num_layers, cluster, num_micro_batches, table, memory, space, tolerance, schedule="1f1b"
+):
     """Least step over every layer split, sub-mesh and logical mesh choice that fits and packs."""
     num_devices = cluster[0] * cluster[1]
     best = math.inf
@@ -156,7 +170,8 @@ def _brute_force(num_layers, cluster, num_micro_batches, table, memory, space, t
                 (submesh, cost)
                 for (a, b, submesh, _), entry in table.items()
                 for cost in _as_tuple(entry)
-                if (a, b) == (start, end) and _fits(cost, len(ranges) - 1 - k, memory)
+                if (a, b) == (start, end)
+                and _fits(cost, len(ranges) - 1 - k, memory, num_micro_batches, schedule)
             ]
             for k, (start, end) in enumerate(ranges)
         ]
@@ -170,19 +185,19 @@ def _brute_force(num_layers, cluster, num_micro_batches, table, memory, space, t
                 place_submeshes([s for s, _ in plan], *cluster)
             except InvalidArgumentError:
                 continue
-            best = min(best, _step(latencies, num_micro_batches))
+            best = min(best, _step(latencies, num_micro_batches, schedule))
     return best
 
 
-def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory):
+def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory, schedule="1f1b"):
     stages = solution.stages
     assert [s.layers[0] for s in stages] == [0] + [s.layers[1] for s in stages[:-1]]
     assert stages[-1].layers[1] == num_layers
     place_submeshes([s.submesh for s in stages], *cluster)  # covers every device, packs
     for k, stage in enumerate(stages):
         assert stage.cost in _as_tuple(table[(*stage.layers, stage.submesh, stage.logical_mesh)])
-        assert _fits(stage.cost, len(stages) - 1 - k, memory)
-    expected = _step([s.cost.latency_s for s in stages], num_micro_batches)
+        assert _fits(stage.cost, len(stages) - 1 - k, memory, num_micro_batches, schedule)
+    expected = _step([s.cost.latency_s for s in stages], num_micro_batches, schedule)
     assert solution.step_latency_s == pytest.approx(expected)
 
 
@@ -198,7 +213,7 @@ def _instance(seed, spaces=("power_of_two", "all"), clusters=CLUSTERS, alternati
     return num_layers, cluster, num_micro_batches, table, memory
 
 
-def _solve(num_layers, cluster, num_micro_batches, table, memory, **option):
+def _solve(num_layers, cluster, num_micro_batches, table, memory, schedule="1f1b", **option):
     option.setdefault("submesh_logical_shape_space", "all")  # the tables cover every logical mesh
     return solve_stages(
         num_layers,
@@ -207,6 +222,7 @@ def _solve(num_layers, cluster, num_micro_batches, table, memory, **option):
         lambda *args: table[args],
         memory,
         AutoStageOption(**option),
+        schedule=PipelineSchedule.parse(schedule),
     )
 
 
@@ -225,6 +241,24 @@ def test_dp_matches_brute_force(seed):
         num_layers, cluster, batches, table, memory, stage_imbalance_tolerance=1e9
     )
     assert huge_tolerance == solution
+
+
+@pytest.mark.parametrize("seed", range(500, 520))
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_dp_matches_brute_force_under_other_schedules(seed, schedule):
+    """GPipe keeps every micro-batch in flight on every stage; zero bubble prices the step with
+    a smaller fill-and-drain share. The DP prices and fits each as the schedule says."""
+    num_layers, cluster, batches, table, memory = _instance(seed)
+    expected = _brute_force(
+        num_layers, cluster, batches, table, memory, "power_of_two", math.inf, schedule
+    )
+    if expected == math.inf:
+        with pytest.raises(PlanningError, match=schedule):
+            _solve(num_layers, cluster, batches, table, memory, schedule)
+        return
+    solution = _solve(num_layers, cluster, batches, table, memory, schedule)
+    _check_valid(solution, num_layers, cluster, batches, table, memory, schedule)
+    assert solution.step_latency_s == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("seed", range(300, 320))
@@ -313,7 +347,7 @@ def test_memory_rules_out_the_fastest_plan():
     assert [(s.layers, s.submesh) for s in tight.stages] == [((0, 4), (1, 2))]
     assert tight.step_latency_s == pytest.approx(8 * 3)
     for k, stage in enumerate(tight.stages):
-        assert _fits(stage.cost, len(tight.stages) - 1 - k, 3.5)
+        assert _fits(stage.cost, len(tight.stages) - 1 - k, 3.5, 8)
 
 
 def test_heavy_first_layer_gets_a_stage_of_its_own():

@@ -1,4 +1,5 @@
-"""Pipeline schedules as explicit clock tables that every executor iterates.
+"""Pipeline schedules: explicit clock tables that every executor iterates, and what the planner
+asks of a schedule before any table exists (micro-batches in flight, step time).
 
 A pipelined step has n stages on n meshes (forward stage i and its backward both run on mesh i)
 and m micro-batches. A schedule is one task order per mesh; its table is the synchronous simulation
@@ -6,8 +7,19 @@ of those orders: every task takes one clock, and at each clock each mesh runs it
 of the task's dependencies ran at earlier clocks, else it idles. After the compute clocks comes one
 clock in which every mesh applies its accumulated gradients.
 
-Both schedules take 2(n+m-1) compute clocks (REFERENCE.md "Schedules"): GPipe keeps all m
-micro-batches in flight on every mesh, 1F1B (PipeDream-flush) at most n-i on mesh i.
+GPipe and 1F1B take 2(n+m-1) compute clocks (REFERENCE.md "Schedules"): GPipe keeps all m
+micro-batches in flight on every mesh, 1F1B (PipeDream-flush) at most n-i on mesh i. Zero bubble
+(ZB-H1's idea, arXiv 2401.10241) splits each backward into the gradient with respect to the
+stage's inputs (B, on the critical path) and with respect to its parameters (W, deferrable); W
+tasks fill the clocks where 1F1B idles. With F, B and W one clock each it takes 3m + 2(n-1)
+clocks against 1F1B's 3(m+n-1) with the backward as one task of two clocks, and keeps 1F1B's
+micro-batches in flight (counted until their W).
+
+The planner prices a schedule by `PipelineSchedule.step_time`: c·Σ t + (m−c)·max t over the
+stages' latencies t (forward and backward of one micro-batch), where c is the share of the
+pipeline fill and drain the schedule leaves idle: 1 for GPipe and 1F1B (Alpa's Σ t + (m−1)·max t),
+2/3 for zero bubble (its W third of the backward work fills the rest). Exact for equal stages
+whose forward, B and W parts take a third of t each.
 
 >>> print(make_schedule("1f1b", 2, 3).to_text())
 1f1b: 2 stages, 3 micro-batches, 8 compute clocks + 1 apply clock
@@ -28,8 +40,23 @@ class TaskKind(enum.Enum):
     """What a mesh does in one clock."""
 
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward of a micro-batch (GPipe, 1F1B)
+    BACKWARD_INPUT = "backward_input"  # zero bubble's B: the cotangents of the stage's inputs
+    BACKWARD_WEIGHT = "backward_weight"  # zero bubble's W: the parameters' gradients
     APPLY = "apply"
+
+
+# The task that adds a micro-batch's parameter gradients, and so ends its stay on the mesh.
+GRADIENT_KINDS = (TaskKind.BACKWARD, TaskKind.BACKWARD_WEIGHT)
+
+# Each task's share of a stage's time per micro-batch: a backward does about twice a forward's
+# FLOPs, split evenly between the input and the weight gradients.
+WORK_SHARE = {
+    TaskKind.FORWARD: 1 / 3,
+    TaskKind.BACKWARD: 2 / 3,
+    TaskKind.BACKWARD_INPUT: 1 / 3,
+    TaskKind.BACKWARD_WEIGHT: 1 / 3,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,25 +80,46 @@ class Task:
         return f"{self.kind.value}(stage={self.stage}, micro_batch={self.micro_batch})"
 
 
-def _dependencies(task: Task, num_stages: int, num_micro_batches: int) -> tuple[Task, ...]:
-    """Tasks whose outputs `task` reads: activations flow up the stages, gradients down."""
+def _dependencies(
+    task: Task, num_stages: int, num_micro_batches: int, split: bool
+) -> tuple[Task, ...]:
+    """Tasks whose outputs `task` reads: activations flow up the stages, gradients down; `split`:
+    the backward is B and W tasks."""
     stage, micro_batch = task.stage, task.micro_batch
     if task.kind is TaskKind.FORWARD:
         return (Task(TaskKind.FORWARD, stage - 1, micro_batch),) if stage > 0 else ()
-    if task.kind is TaskKind.BACKWARD:
+    if task.kind in (TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT):
         own_forward = Task(TaskKind.FORWARD, stage, micro_batch)
         if stage == num_stages - 1:
             return (own_forward,)
-        return (own_forward, Task(TaskKind.BACKWARD, stage + 1, micro_batch))
-    return tuple(Task(TaskKind.BACKWARD, stage, j) for j in range(num_micro_batches))
+        return (own_forward, Task(task.kind, stage + 1, micro_batch))
+    if task.kind is TaskKind.BACKWARD_WEIGHT:
+        return (Task(TaskKind.BACKWARD_INPUT, stage, micro_batch),)
+    gradients = TaskKind.BACKWARD_WEIGHT if split else TaskKind.BACKWARD
+    return tuple(Task(gradients, stage, j) for j in range(num_micro_batches))
 
 
-def _all_tasks(num_stages: int, num_micro_batches: int) -> set[Task]:
+def _kinds(split: bool) -> tuple[TaskKind, ...]:
+    """The kinds of a micro-batch's tasks."""
+    if split:
+        return (TaskKind.FORWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT)
+    return (TaskKind.FORWARD, TaskKind.BACKWARD)
+
+
+def _all_tasks(num_stages: int, num_micro_batches: int, split: bool) -> set[Task]:
     """Every task a complete schedule runs exactly once."""
     tasks = {Task(TaskKind.APPLY, i, None) for i in range(num_stages)}
-    for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+    for kind in _kinds(split):
         tasks.update(Task(kind, i, j) for i in range(num_stages) for j in range(num_micro_batches))
     return tasks
+
+
+_LETTERS = {
+    TaskKind.FORWARD: "F",
+    TaskKind.BACKWARD: "B",
+    TaskKind.BACKWARD_INPUT: "B",
+    TaskKind.BACKWARD_WEIGHT: "W",
+}
 
 
 def _cell(task: Task | None) -> str:
@@ -79,7 +127,7 @@ def _cell(task: Task | None) -> str:
         return "."
     if task.kind is TaskKind.APPLY:
         return "A"
-    return f"{task.kind.value[0].upper()}{task.micro_batch}"
+    return f"{_LETTERS[task.kind]}{task.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +138,7 @@ class Schedule:
     num_stages: int
     num_micro_batches: int
     clocks: tuple[tuple[Task | None, ...], ...]
+    split_backward: bool = False  # backward as B and W tasks (zero bubble)
 
     @property
     def num_compute_clocks(self) -> int:
@@ -108,19 +157,36 @@ class Schedule:
         return [row[mesh] for row in self.clocks if row[mesh] is not None]
 
     def max_in_flight(self, mesh: int) -> int:
-        """Most micro-batches forwarded but not yet backwarded on mesh: its activations' memory."""
+        """Most micro-batches forwarded but whose parameter gradients are not yet computed on
+        mesh (their activations' memory)."""
         in_flight = peak = 0
         for task in self.tasks_of_mesh(mesh):
             if task.kind is TaskKind.FORWARD:
                 in_flight += 1
                 peak = max(peak, in_flight)
-            elif task.kind is TaskKind.BACKWARD:
+            elif task.kind in GRADIENT_KINDS:
                 in_flight -= 1
         return peak
 
     def dependencies(self, task: Task) -> tuple[Task, ...]:
         """Tasks that must finish before `task` starts (an executor waits on their outputs)."""
-        return _dependencies(task, self.num_stages, self.num_micro_batches)
+        return _dependencies(task, self.num_stages, self.num_micro_batches, self.split_backward)
+
+    def timed(self, duration: Callable[[Task], float]) -> dict[Task, tuple[float, float]]:
+        """(Start, end) of every compute task when each takes `duration(task)` seconds: in the
+        table's order on its mesh, starting when the mesh is free and its dependencies have
+        ended (transfers take no time)."""
+        times: dict[Task, tuple[float, float]] = {}
+        free = [0.0] * self.num_stages
+        for row in self.clocks:
+            for task in row:
+                if task is None or task.kind is TaskKind.APPLY:
+                    continue
+                ready = max((times[dep][1] for dep in self.dependencies(task)), default=0.0)
+                start = max(free[task.stage], ready)
+                free[task.stage] = start + duration(task)
+                times[task] = (start, free[task.stage])
+        return times
 
     def validate(self) -> None:
         """Raise ValueError unless every task runs once, on its own mesh, after its dependencies."""
@@ -129,7 +195,7 @@ class Schedule:
             Task(TaskKind.APPLY, i, None) for i in range(n)
         ):
             raise ValueError(f"{self.name}: the last clock must be apply(stage=i) on every mesh i")
-        expected = _all_tasks(n, m)
+        expected = _all_tasks(n, m, self.split_backward)
         clock_of: dict[Task, int] = {}
         for clock, row in enumerate(self.clocks):
             if len(row) != n:
@@ -189,6 +255,7 @@ class Schedule:
 def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: int) -> Schedule:
     """The clock table of per-mesh task orders, each task running as early as its order allows."""
     num_stages = len(orders)
+    split = any(t.kind is TaskKind.BACKWARD_INPUT for order in orders for t in order)
     clock_of: dict[Task, int] = {}
     position = [0] * num_stages
     clocks: list[tuple[Task | None, ...]] = []
@@ -199,7 +266,7 @@ def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: in
             if position[mesh] == len(order):
                 continue
             task = order[position[mesh]]
-            deps = _dependencies(task, num_stages, num_micro_batches)
+            deps = _dependencies(task, num_stages, num_micro_batches, split)
             # A dependency not yet in clock_of has not run; default it to "now", which is too late.
             if all(clock_of.get(dep, clock) < clock for dep in deps):
                 row[mesh] = task
@@ -211,7 +278,7 @@ def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: in
                 position[mesh] += 1
         clocks.append(tuple(row))
     clocks.append(tuple(Task(TaskKind.APPLY, i, None) for i in range(num_stages)))
-    schedule = Schedule(name, num_stages, num_micro_batches, tuple(clocks))
+    schedule = Schedule(name, num_stages, num_micro_batches, tuple(clocks), split)
     schedule.validate()
     return schedule
 
@@ -232,6 +299,40 @@ def _one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> l
         for j in range(num_micro_batches - warmup, num_micro_batches)
     ]
     return order
+
+
+def _zero_bubble_orders(num_stages: int, num_micro_batches: int) -> list[list[Task]]:
+    """Per mesh, the order in which a greedy list scheduler runs its tasks, one clock each: at
+    every clock a mesh runs its next B if its inputs are there (the critical path), else its next
+    forward if fewer than 1F1B's min(n−i, m) micro-batches are in flight (counted until their
+    W), else its next W; a micro-batch's tasks run in micro-batch order."""
+    n, m = num_stages, num_micro_batches
+    done: dict[Task, int] = {}
+    count = {kind: [0] * n for kind in _kinds(True)}
+    orders: list[list[Task]] = [[] for _ in range(n)]
+    clock = 0
+    while len(done) < 3 * n * m:
+        ran = []
+        for s in range(n):
+            limit = min(n - s, m)
+            for kind in (TaskKind.BACKWARD_INPUT, TaskKind.FORWARD, TaskKind.BACKWARD_WEIGHT):
+                j = count[kind][s]
+                if j == m:
+                    continue
+                task = Task(kind, s, j)
+                in_flight = count[TaskKind.FORWARD][s] - count[TaskKind.BACKWARD_WEIGHT][s]
+                if kind is TaskKind.FORWARD and in_flight >= limit:
+                    continue
+                deps = _dependencies(task, n, m, split=True)
+                if all(done.get(dep, clock) < clock for dep in deps):
+                    ran.append(task)
+                    break
+        for task in ran:
+            done[task] = clock
+            count[task.kind][task.stage] += 1
+            orders[task.stage].append(task)
+        clock += 1
+    return orders
 
 
 def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
@@ -256,13 +357,73 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
     return _simulate("1f1b", [_one_f_one_b_order(i, n, m) for i in range(n)], m)
 
 
-_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-SCHEDULES = tuple(_BUILDERS)
+def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
+    """Backward split into B and W; W tasks fill the bubble, 1F1B's micro-batches in flight.
+
+    3m + 2(n−1) compute clocks (`_zero_bubble_orders`), where 1F1B with its backward as two
+    clocks takes 3(m + n − 1).
+    """
+    n = check_positive_int("num_stages", num_stages)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
+    return _simulate("zero_bubble", _zero_bubble_orders(n, m), m)
+
+
+class PipelineSchedule(enum.Enum):
+    """The schedules a pipeline runs, and what the planner asks of one (module docstring)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+    @classmethod
+    def parse(cls, name: object) -> PipelineSchedule:
+        """The schedule called `name` (one of SCHEDULES); the one place names are parsed."""
+        if isinstance(name, cls):
+            return name
+        for schedule in cls:
+            if name == schedule.value:
+                return schedule
+        raise InvalidArgumentError(f"schedule name={name!r} is unknown; choose one of {SCHEDULES}")
+
+    def table(self, num_stages: int, num_micro_batches: int) -> Schedule:
+        """The validated clock table for n stages and m micro-batches."""
+        builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}[self.value]
+        return builder(num_stages, num_micro_batches)
+
+    @property
+    def splits_backward(self) -> bool:
+        return self is PipelineSchedule.ZERO_BUBBLE
+
+    def in_flight(self, stages_after: int, num_micro_batches: int) -> int:
+        """Micro-batches whose activations a stage with `stages_after` stages after it holds at
+        once: what its table's `max_in_flight` says, without the table."""
+        if self is PipelineSchedule.GPIPE:
+            return num_micro_batches
+        return min(stages_after + 1, num_micro_batches)
+
+    @property
+    def bubble_share(self) -> float:
+        """c in `step_time`: the part of one pass through every stage left idle."""
+        return 2 / 3 if self is PipelineSchedule.ZERO_BUBBLE else 1.0
+
+    def step_time(self, latencies: Sequence[float], num_micro_batches: int) -> float:
+        """Step time of stages taking `latencies` each per micro-batch: c·Σ t + (m − c)·max t."""
+        c = self.bubble_share
+        return c * sum(latencies) + (num_micro_batches - c) * max(latencies)
+
+
+SCHEDULES = tuple(s.value for s in PipelineSchedule)
+AUTO_SCHEDULE = "auto"
+
+
+def candidate_schedules(name: str) -> tuple[PipelineSchedule, ...]:
+    """The schedule called `name`, or for "auto" every schedule, in order of preference on ties
+    (1F1B holds the least; zero bubble splits the backward; GPipe holds every micro-batch)."""
+    if name == AUTO_SCHEDULE:
+        return (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.GPIPE)
+    return (PipelineSchedule.parse(name),)
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> Schedule:
-    """The schedule called `name` (one of SCHEDULES); the one place schedule names are parsed."""
-    builder = _BUILDERS.get(name) if isinstance(name, str) else None
-    if builder is None:
-        raise InvalidArgumentError(f"schedule name={name!r} is unknown; choose one of {SCHEDULES}")
-    return builder(num_stages, num_micro_batches)
+    """The clock table of the schedule called `name` (one of SCHEDULES)."""
+    return PipelineSchedule.parse(name).table(num_stages, num_micro_batches)
