@@ -14,30 +14,23 @@ from autopar.context import current_runtime
 from autopar.create_state import StateCreator
 from autopar.methods import (
     CreateStateParallel,
-    DataParallel,
-    FollowParallel,
-    Method,
+    ParallelMethod,
     PipeshardParallel,
-    PlanFile,
+    PlanRequest,
     ShardParallel,
-    method_mesh,
 )
 from autopar.options import AutoLayerOption, AutoShardingOption
-from autopar.plan_store import PlanCache, check_plan_fits, tracing_record
+from autopar.plan_store import PlanCache, tracing_record
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
+from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.explain import PlanningContext
-from autopar.planner.explicit import plan_data_parallel
-from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.pipeline import StepParts, split_step
-from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
-from autopar.planner.plan import MeshPlan, Plan, Spec
+from autopar.planner.plan import MeshPlan, Plan
 from autopar.planner.program import Program
 from autopar.planner.schedules import PipelineSchedule
-from autopar.remat import RematTrace, plan_with_remat
-from autopar.runtime.compile import compile_plan
+from autopar.remat import RematTrace
 from autopar.runtime.executable import Executable
-from autopar.runtime.profile import StageProfiler
+from autopar.runtime.executors import StepToBuild
 from autopar.tracing import (
     ArrayTree,
     TracedStep,
@@ -58,144 +51,37 @@ _MAX_SIGNATURES = 256  # call signatures remembered per parallelized function
 Argnums = Sequence[int] | str
 
 
-def _check_method(method: Any) -> Method:
+def _check_method(method: Any) -> ParallelMethod:
     if method is None:
         return ShardParallel()
-    kinds = DataParallel | ShardParallel | PipeshardParallel | PlanFile | FollowParallel
-    if not isinstance(method, kinds):
+    if not isinstance(method, ParallelMethod):
         raise InvalidArgumentError(
             "method must be ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, "
             f"PipeshardParallel, PlanFile or FollowParallel, got {method!r}"
         )
-    if isinstance(method, FollowParallel) and not isinstance(method.src, ParallelizedFunc):
-        raise InvalidArgumentError(
-            f"FollowParallel follows a step made by autopar.parallelize, got {method.src!r}"
-        )
     return method
-
-
-def _followed_inputs(traced: TracedStep, src: ParallelizedFunc) -> tuple[tuple[str, Spec], ...]:
-    """(input path, storage spec) of the inputs that FollowParallel keeps where `src` has them."""
-    if not src._plans:
-        raise InvalidArgumentError(
-            "FollowParallel: the followed step has no plan yet; call it (or its get_plan) first"
-        )
-    src_traced, src_plan = next(reversed(src._plans.values()))  # the latest
-    if src_plan.pipeline_schedule is not None or len(src_plan.stages) != 1:
-        raise InvalidArgumentError(
-            "FollowParallel follows single-mesh plans; the followed step is pipelined "
-            f"({len(src_plan.stages)} stages)"
-        )
-    src_sig = src_traced.program.signature
-    stored = {
-        path: (spec, (aval.shape, aval.dtype))
-        for path, spec, aval in zip(
-            src_sig.input_paths, src_plan.stages[0].input_specs, src_sig.input_avals, strict=True
-        )
-    }
-    pinned = []
-    sig = traced.program.signature
-    for path, aval in zip(sig.input_paths, sig.input_avals, strict=True):
-        for src_path, (spec, shape) in stored.items():
-            same = src_path == path or src_path.endswith("." + path)
-            if same and shape == (aval.shape, aval.dtype):
-                pinned.append((path, spec))
-                break
-    return tuple(pinned)
-
-
-def _plan(
-    traced: TracedStep,
-    method: Method,
-    mesh: MeshPlan,
-    cluster: ClusterSpec,
-    devices: Sequence[jax.Device],
-    remat_trace: RematTrace,
-) -> tuple[TracedStep, Plan]:
-    """Hand a method (configuration) to its planner as explicit arguments. `devices` are those
-    the plan will run on (none when planning abstractly). Returns the plan and the traced step
-    it is for: `traced`, or the step traced again with recomputed layers (`remat_trace`) where
-    ShardParallel fits nothing without recomputation."""
-    k = method.num_micro_batches or 1
-    if isinstance(method, ShardParallel):
-        config = method.auto_sharding_option.to_config()
-        try:
-            return traced, plan_shard_parallel(traced.program, mesh, cluster, config, k)
-        except MemoryBudgetError as e:
-            return plan_with_remat(remat_trace, mesh, cluster, config, k, e)
-    return traced, _plan_as_traced(traced, method, mesh, cluster, devices)
-
-
-def _plan_as_traced(
-    traced: TracedStep,
-    method: Method,
-    mesh: MeshPlan,
-    cluster: ClusterSpec,
-    devices: Sequence[jax.Device],
-) -> Plan:
-    """The plan of the other methods, which plan the step as traced."""
-    k = method.num_micro_batches or 1
-    if isinstance(method, FollowParallel):
-        option = getattr(method.src.method, "auto_sharding_option", AutoShardingOption())
-        config = dataclasses.replace(
-            option.to_config(), pinned_inputs=_followed_inputs(traced, method.src)
-        )
-        return plan_shard_parallel(traced.program, mesh, cluster, config, k)
-    if isinstance(method, PipeshardParallel):
-        config = PipelineConfig(
-            num_micro_batches=k,
-            schedules=method.schedules,
-            stage_option=method.stage_option,
-            intra=method.auto_sharding_option.to_config(),
-        )
-        parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
-        if not method.profiles:
-            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
-        if not devices:
-            raise InvalidArgumentError(
-                "AutoStageOption(profile=True) times stages on the devices, but this plan is "
-                "made without local devices (autopar.plan, or a Ray runtime); use "
-                "profile=False (the cost model) or run the step locally through "
-                "autopar.parallelize"
-            )
-        run_on = [devices[i] for i in mesh.device_indices]
-        profiler = StageProfiler(parts, traced.program, cluster, config, run_on)
-        try:
-            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
-        finally:
-            profiler.close()
-    return plan_data_parallel(
-        traced.program, mesh, cluster, stage=method.zero_stage, num_micro_batches=k
-    )
 
 
 def _planned(
     traced: TracedStep,
-    method: Method,
+    method: ParallelMethod,
     mesh: MeshPlan,
     cluster: ClusterSpec,
     devices: Sequence[jax.Device],
     remat_trace: RematTrace,
 ) -> tuple[TracedStep, Plan]:
-    """The plan of `traced` (and the traced step it is for, see `_plan`): a plan file's, a
+    """The plan of `traced` and the traced step it is for (`ParallelMethod.plan_step`): a
     cached one, or a new one (then cached, unless it recomputes layers: it is for another
     trace than the one the cache is keyed by)."""
-    fingerprint = traced.program.fingerprint
-    if isinstance(method, PlanFile):
-        source = f"plan file {str(method.path)!r}"
-        paths = traced.program.signature.input_paths
-        num_devices = len(devices) or cluster.num_devices
-        check_plan_fits(method.plan, fingerprint, paths, num_devices, source)
-        return traced, method.plan
-    cache = None if isinstance(method, FollowParallel) else PlanCache.from_env()
-    key = cache and PlanCache.key(fingerprint, cluster, method, mesh)
+    cache = PlanCache.from_env() if method.cacheable else None
+    key = cache and PlanCache.key(traced.program.fingerprint, cluster, method, mesh)
     found = cache and cache.load(key)
     if found:
         return traced, found
-    traced_for, plan = _plan(traced, method, mesh, cluster, devices, remat_trace)
+    request = PlanRequest(traced, mesh, cluster, tuple(devices), remat_trace)
+    traced_for, plan = method.plan_step(request)
     if not plan.tracing:
-        layer_option = method.layer_option if isinstance(method, PipeshardParallel) else None
-        record = tracing_record(method.regather_params, layer_option)
+        record = tracing_record(method.regather_params, method.layer_option)
         plan = dataclasses.replace(plan, tracing=record)
     if cache and traced_for is traced:
         cache.store(key, plan)
@@ -205,10 +91,10 @@ def _planned(
 def _with_context(
     plan: Plan,
     traced: TracedStep,
-    method: Method,
+    method: ParallelMethod,
     mesh: MeshPlan,
     cluster: ClusterSpec,
-    retrace: Callable[[Method], TracedStep],
+    retrace: Callable[[ParallelMethod], TracedStep],
 ) -> Plan:
     """`plan` with the `PlanningContext` that `Plan.explain()` needs (not serialised).
 
@@ -241,9 +127,7 @@ def _with_context(
         hosts, per_host = cluster_shape
         shape, axes = ((per_host,), ("x",)) if hosts == 1 else (cluster_shape, ("x", "y"))
         single_mesh = MeshPlan(shape, axes, mesh.device_indices)
-    reuse = isinstance(method, ShardParallel) or (
-        isinstance(method, DataParallel) and method.regather_params
-    )
+    reuse = method.traced_as_shard_parallel
     context = PlanningContext(
         program=traced.program,
         cluster=cluster,
@@ -261,7 +145,7 @@ def _with_context(
 def trace_for_method(
     fun: Callable,
     args: Sequence[Any],
-    method: Method,
+    method: ParallelMethod,
     argnums: tuple[tuple[int, ...], ...],
     remat: AutoLayerOption | None = None,
 ) -> TracedStep:
@@ -272,7 +156,7 @@ def trace_for_method(
     `argnums` is (static, batch, donate), as `tracing.resolve_argnums` returns them.
     """
     static, batch, donate = argnums
-    layers = method.layer_option if isinstance(method, PipeshardParallel | PlanFile) else None
+    layers = method.layer_option
     return trace_step(
         fun,
         args,
@@ -370,7 +254,7 @@ class ParallelizedFunc:
             self.method, self._creator = _check_method(method), None
         self._static_argnums = static_argnums
         # An eval step returns no new state: by default it must not consume the train state.
-        follows = isinstance(method, FollowParallel) and donate_argnums == "auto"
+        follows = not self.method.returns_state and donate_argnums == "auto"
         self._donate_argnums = () if follows else donate_argnums
         self._batch_argnums = tuple(batch_argnums)
         self._executables: dict[Any, Executable] = {}
@@ -421,16 +305,12 @@ class ParallelizedFunc:
         if key not in self._plans:
             self._check_batch(args)
             runtime = current_runtime()
-            mesh, devices = method_mesh(
-                self.method, runtime.cluster_spec, runtime.devices or None
-            )
+            mesh, devices = self.method.mesh(runtime.cluster_spec, runtime.devices or None)
             argnums = self._argnums(args)
             traced = trace_for_method(self.fun, args, self.method, argnums)
             abstract = abstract_arguments(args, argnums[0])
             remat = functools.partial(trace_for_method, self.fun, abstract, self.method, argnums)
-            traced, plan = _planned(
-                traced, self.method, mesh, runtime.cluster_spec, devices, remat
-            )
+            traced, plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices, remat)
             retrace = functools.partial(_retrace, self.fun, abstract, argnums=argnums)
             plan = _with_context(plan, traced, self.method, mesh, runtime.cluster_spec, retrace)
             self._plans[key] = (traced, plan)
@@ -450,14 +330,10 @@ class ParallelizedFunc:
         executable = self._executables.get((key, runtime.session))
         if executable is None:
             traced, plan = self._traced_plan(args, key)
-            if runtime.ray is not None:
-                from autopar.runtime.ray import RayExecutable, StepSource
-
-                source = StepSource.of(self.fun, args, self._argnums(args))
-                executable = RayExecutable(runtime.ray, traced, plan, source)
-            else:
-                _, devices = method_mesh(self.method, runtime.cluster_spec, runtime.devices)
-                executable = compile_plan(traced, plan, devices)
+            _, devices = self.method.mesh(runtime.cluster_spec, runtime.devices or None)
+            argnums = self._argnums(args)
+            step = StepToBuild(traced, plan, self.fun, args, argnums, devices)
+            executable = runtime.executor.build(step)
             self._executables[key, runtime.session] = executable
         return executable, leaves
 
@@ -557,7 +433,7 @@ def plan(
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
     traced = trace_for_method(fun, args, method, argnums)
-    mesh = method_mesh(method, cluster)[0]
+    mesh = method.mesh(cluster)[0]
     abstract = abstract_arguments(args, argnums[0])
     remat = functools.partial(trace_for_method, fun, abstract, method, argnums)
     traced, plan = _planned(traced, method, mesh, cluster, (), remat)
@@ -566,6 +442,10 @@ def plan(
 
 
 def _retrace(
-    fun: Callable, args: Sequence[Any], method: Method, *, argnums: tuple[tuple[int, ...], ...]
+    fun: Callable,
+    args: Sequence[Any],
+    method: ParallelMethod,
+    *,
+    argnums: tuple[tuple[int, ...], ...],
 ) -> TracedStep:
     return trace_for_method(fun, args, method, argnums)

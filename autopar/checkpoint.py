@@ -18,13 +18,23 @@ import logging
 import numbers
 import os
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from autopar.planner.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+
+def _orbax():
+    """orbax, imported on first use: importing autopar (and its planner) does not load it."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,7 @@ def _check_step(step: Any) -> int:
 def _manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointManager:
     """One manager per call: steps are directories `<directory>/<step>` holding one
     StandardCheckpointHandler item (its metadata is readable without a restore target)."""
+    ocp = _orbax()
     return ocp.CheckpointManager(
         directory,
         item_handlers=ocp.StandardCheckpointHandler(),
@@ -76,7 +87,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: Any, step: int) -> pathl
                 f"step={step} already exists in ckpt_dir={str(directory)!r}; "
                 "choose a new step or another directory"
             )
-        manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        manager.save(step, args=_orbax().args.StandardSave(state), force=True)
         manager.wait_until_finished()
     nbytes = sum(leaf.nbytes for _, leaf in leaves)
     logger.info("saved step %d: %d arrays, %d bytes, to %s", step, len(leaves), nbytes, directory)
@@ -149,7 +160,7 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike, step: int, target_shardings:
                 f"step={step} is not in ckpt_dir={str(directory)!r}; saved steps: {steps or 'none'}"
             )
         abstract = _abstract_targets(manager.item_metadata(step).tree, shardings, step)
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        restored = manager.restore(step, args=_orbax().args.StandardRestore(abstract))
     by_name = {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
     state = jax.tree_util.tree_unflatten(treedef, [by_name[_leaf_name(p)] for p, _ in targets])
     nbytes = sum(x.nbytes for x in by_name.values())

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.planner.ilp import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
+from autopar.planner.schedules import AUTO_SCHEDULE, SCHEDULES
 
 EXIT_USAGE = 2
 EXIT_NO_PLAN = 1
@@ -153,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         type=_positive_int,
         help="pipeshard: uniform stages of equal layers (default: Alpa's stage DP)",
+    )
+    plan.add_argument(
+        "--schedule",
+        choices=(*SCHEDULES, AUTO_SCHEDULE),
+        default="1f1b",
+        help="pipeshard: pipeline schedule (auto: the fastest predicted)",
     )
     plan.add_argument("--solver", choices=SOLVERS, default=DEFAULT_SOLVER)
     plan.add_argument(
@@ -289,6 +296,7 @@ def _method(args: argparse.Namespace, cluster: Any, micro_batches: int) -> Any:
         num_micro_batches=micro_batches,
         layer_option=autopar.AutoLayerOption(layer_num=layers),
         stage_option=stages,
+        pipeline_schedule=args.schedule,
         auto_sharding_option=option,
     )
 

@@ -12,12 +12,12 @@ import dataclasses
 import itertools
 import logging
 import os
-from typing import Any
 
 import jax
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
+from autopar.runtime.executors import Executor, LocalExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +28,16 @@ SUPPORTED_CLUSTERS = ("local", "ray")
 class Runtime:
     """Devices to run on and the ClusterSpec that prices them.
 
-    `session` tells runtimes apart (executables are cached per session); `ray` is the Ray
-    connection of a "ray" runtime, whose devices live in worker processes (`devices` is empty).
+    `session` tells runtimes apart (executables are cached per session); `executor` builds and
+    runs the executables: this process's devices, or on a "ray" runtime the Ray mesh workers,
+    whose devices live in worker processes (`devices` is empty).
     """
 
     kind: str
     devices: tuple[jax.Device, ...]
     cluster_spec: ClusterSpec
     session: int = 0
-    ray: Any = dataclasses.field(default=None, compare=False)
+    executor: Executor = dataclasses.field(default_factory=LocalExecutor, compare=False)
 
 
 _current: Runtime | None = None
@@ -144,8 +145,8 @@ def shutdown() -> None:
     Ray itself if `init` started it). A later call runs on the default local runtime."""
     global _current
     runtime, _current = _current, None
-    if runtime is not None and runtime.ray is not None:
-        runtime.ray.shutdown()
+    if runtime is not None:
+        runtime.executor.shutdown()
 
 
 def current_runtime() -> Runtime:

@@ -101,7 +101,7 @@ class StateCreator:
 
     def __call__(self, *args: Any) -> Any:
         static = self._static(args)
-        if current_runtime().ray is not None:
+        if not current_runtime().executor.holds_devices:
             return self._create_on_workers(args, static)
         dynamic = [a for i, a in enumerate(args) if i not in static]
         key = (

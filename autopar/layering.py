@@ -18,9 +18,9 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
-from autopar.markers import layer_boundary_p
 from autopar.options import AutoLayerOption, LayerOption, ManualLayerOption
 from autopar.planner.layers import cluster_layers, crossing_values, eqn_order, manual_layers
+from autopar.planner.markers import layer_boundary_p
 from autopar.runtime.interpreter import bind_eqn, read
 
 

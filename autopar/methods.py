@@ -1,4 +1,10 @@
-"""Parallelization methods: what the user asks for. Plain configuration, checked when built."""
+"""Parallelization methods: what the user asks for, checked when built, and how each plans.
+
+Every method is a `ParallelMethod`: it says which mesh it plans for (`mesh`), how the step must
+be traced for it (`regather_params`, `layer_option`, `num_micro_batches`), whether its plans may
+be cached, and plans a traced step itself (`plan`). The API hands a `PlanRequest` to whichever
+method it was given and never asks which kind it is (Alpa's `ParallelMethod` idea).
+"""
 
 from __future__ import annotations
 
@@ -21,17 +27,22 @@ from autopar.options import (
     StageOption,
     UniformStageOption,
 )
-from autopar.plan_store import layer_option_of, read_plan_file
+from autopar.plan_store import check_plan_fits, layer_option_of, read_plan_file
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.explicit import ZeroStage
-from autopar.planner.plan import MeshPlan, Plan
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
+from autopar.planner.explicit import ZeroStage, plan_data_parallel
+from autopar.planner.intra import plan_shard_parallel
+from autopar.planner.pipeline import split_step
+from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
+from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.planner.schedules import (
     AUTO_SCHEDULE,
     SCHEDULES,
     PipelineSchedule,
     candidate_schedules,
 )
+from autopar.remat import RematTrace, plan_with_remat
+from autopar.tracing import TracedStep
 
 
 def _check_micro_batches(value: int | None) -> None:
@@ -49,7 +60,56 @@ def _check_mesh_rank(method: str, devices: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataParallel:
+class PlanRequest:
+    """What a method plans from: the traced step, the mesh it plans for on `cluster`, the devices
+    the plan will run on (none when planning abstractly), and the step traced again with its
+    loss cut into recomputed layers (`autopar.remat`), for a method that needs that to fit."""
+
+    traced: TracedStep
+    mesh: MeshPlan
+    cluster: ClusterSpec
+    devices: tuple[jax.Device, ...]
+    remat_trace: RematTrace
+
+
+class ParallelMethod:
+    """What every method answers (the module docstring); the defaults suit a method that plans
+    the step as traced, on its devices as one data axis, and whose plans may be cached."""
+
+    devices: Any
+    num_micro_batches: int | None
+    cacheable: ClassVar[bool] = True  # plans may be kept in the plan cache
+    returns_state: ClassVar[bool] = True  # a train step: by default it consumes the state
+    traced_as_shard_parallel: ClassVar[bool] = False  # the trace ShardParallel's baselines use
+
+    @property
+    def regather_params(self) -> bool:
+        """Whether parameters are stored split and must be gathered again in the backward pass."""
+        return False
+
+    layer_option: ClassVar[LayerOption | None] = None  # how the loss is cut into layers
+
+    def mesh(
+        self, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+    ) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
+        """The mesh this method plans for, and the devices it runs on (none when planning
+        abstractly): by default the devices as one axis "data", a `jax.sharding.Mesh` as it
+        is."""
+        if isinstance(self.devices, Mesh):
+            return resolve_devices(self.devices, ())
+        if self.devices is None and devices is None:
+            n = cluster.num_devices
+            return MeshPlan((n,), ("data",), tuple(range(n))), ()
+        return resolve_devices(self.devices, devices or ())
+
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        """The plan of `request.traced`, and the traced step it is for (`request.traced`, or the
+        step traced again with recomputed layers)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel(ParallelMethod):
     """Split the batch over all devices; replicate parameters and optimizer state.
 
     Args:
@@ -73,6 +133,18 @@ class DataParallel:
         """Whether parameters are stored split and must be gathered again in the backward pass."""
         return self.zero_stage is ZeroStage.ZERO3
 
+    @property
+    def traced_as_shard_parallel(self) -> bool:  # FSDP traces as ShardParallel does
+        return self.regather_params
+
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        k = self.num_micro_batches or 1
+        program = request.traced.program
+        plan = plan_data_parallel(
+            program, request.mesh, request.cluster, stage=self.zero_stage, num_micro_batches=k
+        )
+        return request.traced, plan
+
 
 @dataclasses.dataclass(frozen=True)
 class Zero2Parallel(DataParallel):
@@ -90,7 +162,7 @@ class Zero3Parallel(DataParallel):
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardParallel:
+class ShardParallel(ParallelMethod):
     """Automatic intra-op parallelism: an ILP picks a sharding for every op (Alpa's intra-op pass).
 
     Args:
@@ -114,14 +186,40 @@ class ShardParallel:
             )
         _check_mesh_rank("ShardParallel", self.devices)
 
+    traced_as_shard_parallel: ClassVar[bool] = True
+
     @property
     def regather_params(self) -> bool:
         """Trace for FSDP: the ILP may store parameters split, so gather them again in backward."""
         return True
 
+    def mesh(
+        self, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+    ) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
+        """A `jax.sharding.Mesh` as it is; else the whole of a multi-host cluster as its
+        physical (hosts, devices per host) mesh with axes ("x", "y"), any other devices as one
+        axis "x"."""
+        mesh, run_on = super().mesh(cluster, devices)
+        if isinstance(self.devices, Mesh):
+            return mesh, run_on
+        n = mesh.num_devices
+        if cluster.num_hosts > 1 and n == cluster.num_devices:
+            return MeshPlan(cluster.physical_mesh_shape, ("x", "y"), mesh.device_indices), run_on
+        return MeshPlan((n,), ("x",), mesh.device_indices), run_on
+
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        """The ILP's plan; where nothing fits, the step traced again with recomputed layers."""
+        config = self.auto_sharding_option.to_config()
+        k = self.num_micro_batches or 1
+        args = (request.mesh, request.cluster, config, k)
+        try:
+            return request.traced, plan_shard_parallel(request.traced.program, *args)
+        except MemoryBudgetError as e:
+            return plan_with_remat(request.remat_trace, *args, e)
+
 
 @dataclasses.dataclass(frozen=True)
-class PipeshardParallel:
+class PipeshardParallel(ParallelMethod):
     """Pipeline stages on disjoint sub-meshes, each stage sharded by the ILP (Alpa's pipeshard).
 
     The loss that `autopar.grad` differentiates is cut into layers (`layer_option`), the layers
@@ -183,10 +281,8 @@ class PipeshardParallel:
             )
         _check_mesh_rank("PipeshardParallel", self.devices)
 
-    @property
-    def regather_params(self) -> bool:
-        """Layers must stay visible to differentiation, so no whole-loss remat for FSDP."""
-        return False
+    # regather_params stays False: layers must stay visible to differentiation, so no
+    # whole-loss remat for FSDP.
 
     @property
     def schedules(self) -> tuple[PipelineSchedule, ...]:
@@ -198,9 +294,52 @@ class PipeshardParallel:
         """Whether the stage DP measures candidate stages on the devices (profiling mode)."""
         return isinstance(self.stage_option, AutoStageOption) and self.stage_option.profile
 
+    def mesh(
+        self, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+    ) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
+        """The (hosts, devices per host) grid its stages slice, axes ("x", "y"): a 2-D
+        `jax.sharding.Mesh` as it is, other devices as the cluster's hosts when they are all of
+        its devices, else as one host."""
+        mesh, run_on = super().mesh(cluster, devices)
+        if len(mesh.shape) == 2:
+            return MeshPlan(mesh.shape, ("x", "y"), mesh.device_indices), run_on
+        n = mesh.num_devices
+        shape = cluster.physical_mesh_shape if n == cluster.num_devices else (1, n)
+        return MeshPlan(tuple(shape), ("x", "y"), mesh.device_indices), run_on
+
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        """Stages by the stage search (or as the stage option fixes them), each planned by the
+        ILP; in profiling mode candidate stages are timed on the devices."""
+        from autopar.runtime.profile import StageProfiler
+
+        traced, mesh, cluster = request.traced, request.mesh, request.cluster
+        config = PipelineConfig(
+            num_micro_batches=self.num_micro_batches,
+            schedules=self.schedules,
+            stage_option=self.stage_option,
+            intra=self.auto_sharding_option.to_config(),
+        )
+        parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+        if not self.profiles:
+            return traced, plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
+        if not request.devices:
+            raise InvalidArgumentError(
+                "AutoStageOption(profile=True) times stages on the devices, but this plan is "
+                "made without local devices (autopar.plan, or a Ray runtime); use "
+                "profile=False (the cost model) or run the step locally through "
+                "autopar.parallelize"
+            )
+        run_on = [request.devices[i] for i in mesh.device_indices]
+        profiler = StageProfiler(parts, traced.program, cluster, config, run_on)
+        try:
+            plan = plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
+        finally:
+            profiler.close()
+        return traced, plan
+
 
 @dataclasses.dataclass(frozen=True)
-class PlanFile:
+class PlanFile(ParallelMethod):
     """Run a plan saved as JSON (`Plan.to_json()`) without planning.
 
     The step is traced as the plan records (micro-batches, regathering, layers) on the runtime's
@@ -218,6 +357,7 @@ class PlanFile:
         object.__setattr__(self, "plan", read_plan_file(self.path))
 
     devices: ClassVar[None] = None
+    cacheable: ClassVar[bool] = False  # nothing is planned
 
     @property
     def num_micro_batches(self) -> int:
@@ -231,9 +371,18 @@ class PlanFile:
     def layer_option(self) -> LayerOption | None:
         return layer_option_of(self.plan)
 
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        """The file's plan, once checked against the traced program and the devices."""
+        source = f"plan file {str(self.path)!r}"
+        program = request.traced.program
+        num_devices = len(request.devices) or request.cluster.num_devices
+        fingerprint, paths = program.fingerprint, program.signature.input_paths
+        check_plan_fits(self.plan, fingerprint, paths, num_devices, source)
+        return request.traced, self.plan
+
 
 @dataclasses.dataclass(frozen=True)
-class FollowParallel:
+class FollowParallel(ParallelMethod):
     """Compile another function (an eval step) so that it reads its inputs where `src` (a
     parallelized train step, already run or planned) stores them: no resharding between train
     and eval. Inputs whose path and shape match one of `src`'s inputs (the same argument name, or
@@ -250,14 +399,64 @@ class FollowParallel:
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
+        if not isinstance(getattr(self.src, "method", None), ParallelMethod):
+            raise InvalidArgumentError(
+                f"FollowParallel follows a step made by autopar.parallelize, got {self.src!r}"
+            )
+
+    cacheable: ClassVar[bool] = False  # the plan depends on the followed step's, not cached
+    returns_state: ClassVar[bool] = False  # an eval step: by default it donates nothing
 
     @property
     def devices(self) -> Any:
         return self.src.method.devices
 
-    @property
-    def regather_params(self) -> bool:
-        return False
+    def mesh(
+        self, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+    ) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
+        """The mesh of the step it follows."""
+        return self.src.method.mesh(cluster, devices)
+
+    def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
+        """The ILP's plan with the inputs `src` stores pinned to its storage."""
+        option = getattr(self.src.method, "auto_sharding_option", AutoShardingOption())
+        config = dataclasses.replace(
+            option.to_config(), pinned_inputs=_followed_inputs(request.traced, self.src)
+        )
+        k = self.num_micro_batches or 1
+        plan = plan_shard_parallel(request.traced.program, request.mesh, request.cluster, config, k)
+        return request.traced, plan
+
+
+def _followed_inputs(traced: TracedStep, src: Any) -> tuple[tuple[str, Spec], ...]:
+    """(input path, storage spec) of the inputs that FollowParallel keeps where `src` (a
+    `ParallelizedFunc`) has them."""
+    if not src._plans:
+        raise InvalidArgumentError(
+            "FollowParallel: the followed step has no plan yet; call it (or its get_plan) first"
+        )
+    src_traced, src_plan = next(reversed(src._plans.values()))  # the latest
+    if src_plan.pipeline_schedule is not None or len(src_plan.stages) != 1:
+        raise InvalidArgumentError(
+            "FollowParallel follows single-mesh plans; the followed step is pipelined "
+            f"({len(src_plan.stages)} stages)"
+        )
+    src_sig = src_traced.program.signature
+    stored = {
+        path: (spec, (aval.shape, aval.dtype))
+        for path, spec, aval in zip(
+            src_sig.input_paths, src_plan.stages[0].input_specs, src_sig.input_avals, strict=True
+        )
+    }
+    pinned = []
+    sig = traced.program.signature
+    for path, aval in zip(sig.input_paths, sig.input_avals, strict=True):
+        for src_path, (spec, shape) in stored.items():
+            same = src_path == path or src_path.endswith("." + path)
+            if same and shape == (aval.shape, aval.dtype):
+                pinned.append((path, spec))
+                break
+    return tuple(pinned)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +475,7 @@ class CreateStateParallel:
     train_step: Any
     other_args: tuple[Any, ...]
     state_argnum: int = 0
+    returns_state: ClassVar[bool] = True
 
     def __init__(self, train_step: Any, *other_args: Any, state_argnum: int = 0) -> None:
         object.__setattr__(self, "train_step", train_step)
@@ -287,7 +487,7 @@ class CreateStateParallel:
             )
 
 
-Method = DataParallel | ShardParallel | PipeshardParallel | PlanFile | FollowParallel
+Method = ParallelMethod
 
 
 def resolve_devices(
@@ -314,40 +514,3 @@ def resolve_devices(
         f"devices must be None, a non-empty list of jax devices or a jax.sharding.Mesh; got "
         f"{devices!r}"
     )
-
-
-def method_mesh(
-    method: Method, cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
-) -> tuple[MeshPlan, tuple[jax.Device, ...]]:
-    """The mesh a method plans for, and the devices it runs on (none when planning abstractly).
-
-    DataParallel and friends use one axis "data". ShardParallel on the whole of a multi-host
-    cluster uses the physical (hosts, devices per host) mesh with axes ("x", "y"), else one
-    axis "x". PipeshardParallel gets the (hosts, devices per host) grid its stages slice (a 1-D
-    mesh or device list as the devices of the cluster's hosts, or of one host). Other methods use
-    a `jax.sharding.Mesh` as it is. FollowParallel uses the mesh of the step it follows.
-    """
-    if isinstance(method, FollowParallel):
-        return method_mesh(method.src.method, cluster, devices)
-    if isinstance(method.devices, Mesh):
-        mesh, run_on = resolve_devices(method.devices, ())
-        if not isinstance(method, PipeshardParallel):
-            return mesh, run_on
-    elif method.devices is None and devices is None:
-        n = cluster.num_devices
-        mesh, run_on = MeshPlan((n,), ("data",), tuple(range(n))), ()
-    else:
-        mesh, run_on = resolve_devices(method.devices, devices or ())
-    if isinstance(method, PipeshardParallel):  # the (hosts, devices per host) to slice
-        n = mesh.num_devices
-        if len(mesh.shape) == 2:
-            return MeshPlan(mesh.shape, ("x", "y"), mesh.device_indices), run_on
-        shape = cluster.physical_mesh_shape if n == cluster.num_devices else (1, n)
-        return MeshPlan(tuple(shape), ("x", "y"), mesh.device_indices), run_on
-    if isinstance(method, ShardParallel):
-        n = mesh.num_devices
-        if cluster.num_hosts > 1 and n == cluster.num_devices:
-            mesh = MeshPlan(cluster.physical_mesh_shape, ("x", "y"), mesh.device_indices)
-        else:
-            mesh = MeshPlan((n,), ("x",), mesh.device_indices)
-    return mesh, run_on

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from autopar._jax_compat import source_scope
 from autopar.layering import layered
 from autopar.markers import held_by_module, tracing_scope
 from autopar.options import LayerOption
+from autopar.planner._jax_compat import source_scope
 from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.graph import (
     TensorInfo,
@@ -165,9 +165,9 @@ def abstract_arguments(args: Sequence[Any], static: Sequence[int]) -> tuple[Any,
 def is_array_like(x: Any) -> bool:
     """An array, or an object that stands for one (a numpy scalar, a ShapeDtypeStruct, a Ray
     `RemoteArray`)."""
-    return isinstance(
-        x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
-    ) or isinstance(getattr(x, "aval", None), jax.core.ShapedArray)
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or isinstance(
+        getattr(x, "aval", None), jax.core.ShapedArray
+    )
 
 
 def _check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int, ...]:

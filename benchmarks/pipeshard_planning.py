@@ -40,12 +40,8 @@ from autopar.planner.errors import AutoparError
 from autopar.planner.pipeline import split_step
 from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
 from autopar.planner.schedules import AUTO_SCHEDULE, PipelineSchedule, candidate_schedules
-from autopar.planner.stages import (
-    LOGICAL_SPACES,
-    logical_mesh_shapes,
-    manual_stages,
-    solve_stages,
-)
+from autopar.planner.stage_options import LOGICAL_SPACES
+from autopar.planner.stages import logical_mesh_shapes, manual_stages, solve_stages
 
 logger = logging.getLogger("pipeshard_planning")
 

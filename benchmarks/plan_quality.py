@@ -51,7 +51,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import autopar
-from autopar.methods import method_mesh
 from autopar.models import GPTConfig
 from autopar.planner.baselines import (
     TOLERANCE,
@@ -260,7 +259,7 @@ def main() -> None:
             program = traced.program
             for cluster_name in args.clusters:
                 cluster = autopar.ClusterSpec.preset(cluster_name)
-                mesh, _ = method_mesh(autopar.ShardParallel(), cluster)
+                mesh, _ = autopar.ShardParallel().mesh(cluster)
                 row: dict[str, Any] = {"model": name, "cluster": cluster_name, "methods": {}}
                 for method in args.methods:
                     bar.set_postfix_str(f"{name} {cluster_name} {method}")

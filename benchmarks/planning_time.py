@@ -39,7 +39,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import autopar
-from autopar.methods import method_mesh
 from autopar.models import GPTConfig, gpt
 from autopar.planner.cluster import preset_names
 from autopar.planner.intra import plan_shard_parallel
@@ -76,7 +75,7 @@ def time_model(
     start = time.perf_counter()
     traced = trace_gpt_step(method, state, batch)
     traced_at = time.perf_counter()
-    mesh, _ = method_mesh(method, cluster)
+    mesh, _ = method.mesh(cluster)
     plan = plan_shard_parallel(
         traced.program, mesh, cluster, option.to_config(), args.micro_batches
     )

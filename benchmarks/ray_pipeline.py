@@ -41,7 +41,7 @@ import ray  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from autopar.models import GPTConfig, gpt  # noqa: E402
-from autopar.runtime.schedules import Schedule, TaskKind  # noqa: E402
+from autopar.planner.schedules import Schedule, TaskKind  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CONFIG = GPTConfig(num_layers=4, hidden=128, seq_len=64)
@@ -78,23 +78,17 @@ def _bubble(busy: dict[int, float], span: float) -> float:
 
 def _replay(schedule: Schedule, durations: dict[tuple, float]) -> tuple[float, float]:
     """(Step span, bubble) of `schedule` with each task taking its measured device time and
-    transfers free: every task starts when its mesh is free and its dependencies have ended;
-    each mesh applies after its last backward."""
-    end: dict = {}
-    free_at = [0.0] * schedule.num_stages
-    for row in schedule.clocks:
-        for mesh, task in enumerate(row):
-            if task is None or task.kind is TaskKind.APPLY:
-                continue
-            start = max([free_at[mesh], *(end[d] for d in schedule.dependencies(task))])
-            end[task] = free_at[mesh] = start + durations[mesh, task.kind, task.micro_batch]
-    compute_span = max(free_at)
-    span = max(f + durations.get((s, TaskKind.APPLY, None), 0.0) for s, f in enumerate(free_at))
+    transfers free (`Schedule.timed`); each mesh applies after its last gradient task."""
+    times = schedule.timed(lambda t: durations[t.stage, t.kind, t.micro_batch])
+    done = [0.0] * schedule.num_stages
+    for task, (_, end) in times.items():
+        done[task.stage] = max(done[task.stage], end)
+    span = max(d + durations.get((s, TaskKind.APPLY, None), 0.0) for s, d in enumerate(done))
     busy = {
         s: sum(d for (m, kind, _), d in durations.items() if m == s and kind is not TaskKind.APPLY)
         for s in range(schedule.num_stages)
     }
-    return span, _bubble(busy, compute_span)
+    return span, _bubble(busy, max(done))
 
 
 def _device_figures(tasks, schedule: Schedule) -> dict[str, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from autopar.options import UniformStageOption
 from autopar.planner.baselines import (
     TOLERANCE,
     Baseline,
@@ -41,6 +40,7 @@ from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
 from autopar.planner.plan import MeshPlan, OpGroupCost, Plan
 from autopar.planner.program import Program
 from autopar.planner.schedules import PipelineSchedule
+from autopar.planner.stage_options import UniformStageOption
 from autopar.planner.summary import format_bytes, format_seconds
 
 TOP_OP_GROUPS = 5

@@ -25,7 +25,6 @@ import enum
 import functools
 from collections.abc import Sequence
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import (
@@ -46,6 +45,7 @@ from autopar.planner.gradients import (
 )
 from autopar.planner.graph import OpNode, ValueKind, ValueRef, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value, group_graph
+from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.memory import (
     Liveness,
     live_bytes,

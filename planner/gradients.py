@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.graph import (
     OpGraph,
     OpNode,
@@ -30,6 +29,7 @@ from autopar.planner.graph import (
     nodes_by_primitive,
     resolve_input,
 )
+from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.plan import (
     ONCE_PER_STEP,
     PER_MICRO_BATCH,

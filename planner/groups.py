@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from autopar.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
+from autopar.planner.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 from autopar.planner.strategy import FOLLOW_RULES, LEADER_RULES
 
 TRANSPARENT = (GRAD_BOUNDARY, LAYER_BOUNDARY, PIPELINE_BOUNDARY, "optimization_barrier")

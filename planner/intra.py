@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh
@@ -52,6 +51,7 @@ from autopar.planner.ilp import (
     MemoryModel,
     Solution,
 )
+from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.memory import (
     Liveness,
     held_values,

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from autopar.markers import PIPELINE_BOUNDARY
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.graph import eqn_flops, tensor_info
+from autopar.planner.markers import PIPELINE_BOUNDARY
 
 HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 DEFAULT_IMBALANCE = 0.5  # Alpa's δ: a layer may hold up to (1+δ) times the average FLOPs

@@ -22,11 +22,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from autopar.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
 from autopar.planner.follow_rules import ELEMENTWISE
 from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value
+from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.plan import Spec
 from autopar.planner.program import StepSignature
 from autopar.planner.strategy import spec_axes, split_size, without_axes

@@ -20,15 +20,15 @@ from collections.abc import Sequence
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
-from autopar._jax_compat import source_line
-from autopar.markers import (
+from autopar.planner._jax_compat import source_line
+from autopar.planner.errors import PlanningError
+from autopar.planner.markers import (
     GRAD_BOUNDARY,
     LAYER_BOUNDARY,
     PARAM_USE,
     PIPELINE_BOUNDARY,
     grad_boundary_p,
 )
-from autopar.planner.errors import PlanningError
 
 logger = logging.getLogger(__name__)
 

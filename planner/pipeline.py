@@ -35,9 +35,9 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from autopar.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.errors import PlanningError
 from autopar.planner.graph import build_graph, tensor_info
+from autopar.planner.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.micro_batches import ancestors, describe_eqn
 from autopar.planner.program import Program, StepSignature
 

@@ -54,6 +54,7 @@ from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
 from autopar.planner.program import Program, StepSignature
 from autopar.planner.progress import progress
 from autopar.planner.schedules import PipelineSchedule
+from autopar.planner.stage_options import ManualStageOption, UniformStageOption
 from autopar.planner.stages import (
     CostFn,
     StageCost,
@@ -405,8 +406,6 @@ def _solve(
     schedule: PipelineSchedule,
 ) -> StageSolution:
     """The stages of the option's kind (DP, uniform or manual) under `schedule`."""
-    from autopar.options import ManualStageOption, UniformStageOption
-
     args = (num_layers, *cluster_shape, config.num_micro_batches, cost_fn, device_memory)
     option = config.stage_option
     if isinstance(option, ManualStageOption):

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.graph import OpNode, ValueKind
 from autopar.planner.groups import Grouping, Value
+from autopar.planner.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
 
 # Ops that move no data: markers, and relabels of their operand's buffer (the memory model's
 # aliases; a transpose folds into the dot or fusion that reads it).

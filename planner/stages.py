@@ -21,28 +21,22 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from autopar.planner.errors import InvalidArgumentError, PlanningError, check_positive_int
 from autopar.planner.schedules import PipelineSchedule
+from autopar.planner.stage_options import (
+    LOGICAL_SPACES,
+    PHYSICAL_SPACES,
+    AutoStageOption,
+    ManualStageOption,
+    UniformStageOption,
+)
 from autopar.planner.summary import format_bytes
 
-if TYPE_CHECKING:
-    from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
-
 logger = logging.getLogger(__name__)
-
-PHYSICAL_SPACES = ("power_of_two", "all")
-LOGICAL_SPACES = (
-    "single_node_model_parallel",
-    "all",
-    "same_as_physical",
-    "data_parallel_only",
-    "model_parallel_only",
-)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -548,9 +542,7 @@ def _better(
     best = incumbent
     for plan in plans:
         key = (plan.step(pipe), len(plan.stages))
-        if (best is None or key < (best.step(pipe), len(best.stages))) and _placeable(
-            cands, plan
-        ):
+        if (best is None or key < (best.step(pipe), len(best.stages))) and _placeable(cands, plan):
             best = plan
     return best
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 from jax.sharding import NamedSharding
 
-from autopar.markers import grad_boundary_p
 from autopar.planner.errors import PlanningError
+from autopar.planner.markers import grad_boundary_p
 from autopar.planner.micro_batches import describe_eqn
 from autopar.runtime.interpreter import (
     ShardingRules,

@@ -360,7 +360,7 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
 
         runtime = current_runtime()
         if runtime.kind == "ray":
-            return _measure_on_ray(runtime.ray, sizes)
+            return _measure_on_ray(runtime.executor, sizes)
         devices = runtime.devices
     devices = _check_devices(devices)
     start = time.perf_counter()

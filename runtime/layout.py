@@ -169,10 +169,7 @@ class PipelineLayout:
                 split.append((prog, kind, level, eqns))
                 continue
             needed = {
-                v
-                for _, e in eqns
-                for v in e.outvars
-                if v in outputs or read_by.get(v, set()) - {n}
+                v for _, e in eqns for v in e.outvars if v in outputs or read_by.get(v, set()) - {n}
             }
             inputs = []
             for node, e in reversed(eqns):  # producers of what leaves the stage, backwards

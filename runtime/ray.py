@@ -40,6 +40,7 @@ import numpy as np
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import AutoparError, InvalidArgumentError
 from autopar.planner.plan import Plan, format_spec
+from autopar.runtime.executors import StepToBuild
 from autopar.runtime.layout import HOST, PipelineLayout
 from autopar.runtime.ray_worker import (
     FromStage,
@@ -139,6 +140,13 @@ class RayCluster:
             "GPU" if use_gpus else "simulated CPU",
         )
         return cls(spec, use_gpus, group, started, float(step_timeout_s))
+
+    holds_devices = False  # the Executor protocol: arrays live on the mesh workers
+
+    def build(self, step: StepToBuild) -> RayExecutable:
+        """The Executor protocol: the step's stages on mesh workers, which trace it again."""
+        source = StepSource.of(step.fun, step.args, step.argnums)
+        return RayExecutable(self, step.traced, step.plan, source)
 
     def start_worker(self, host: int, num_devices: int, stage: int | None = None) -> Any:
         """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices, for

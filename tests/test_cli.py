@@ -70,8 +70,10 @@ def test_plan_pipeshard_prints_every_stage_and_explains(tmp_path, capsys):
     out_png = tmp_path / "pipeline.png"
     argv = ["plan", "mlp", "--cluster", "8xV100-p3", "--method", "pipeshard"]
     argv += ["--layers", "2", "--stages", "2", "--micro-batches", "4", "--explain"]
+    argv += ["--schedule", "zero_bubble"]
     code, out, err = run([*argv, "--png", str(out_png), "-q"], capsys)
     assert code == 0, err
+    assert "zero_bubble pipeline" in out
     assert "stage 0: layers [0,1) on sub-mesh 1x4" in out
     assert "stage 1: layers [1,2) on sub-mesh 1x4" in out
     assert "predicted pipeline bubble" in out

@@ -12,8 +12,9 @@ from conftest import relative_error
 
 import autopar
 from autopar.layering import layered
-from autopar.markers import LAYER_BOUNDARY, PARAM_USE, tracing_scope
+from autopar.markers import tracing_scope
 from autopar.options import AutoLayerOption, ManualLayerOption
+from autopar.planner.markers import LAYER_BOUNDARY, PARAM_USE
 
 WIDTHS = (16, 16, 16, 16, 16)
 

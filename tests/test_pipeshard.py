@@ -96,7 +96,6 @@ CASES = [
     ("mlp", 2, "zero_bubble", "auto"),
     ("mlp", 4, "zero_bubble", "manual"),
     ("gpt", 2, "zero_bubble", "manual"),
-    ("gpt", 4, "zero_bubble", "auto"),
 ]
 
 
@@ -114,8 +113,12 @@ def test_matches_serial_step(family, stages, schedule, layers):
 def test_zero_bubble_runs_weight_gradients_as_their_own_tasks():
     """The backward of each stage is cut in two: B computes what earlier stages read, W only
     the stage's parameter gradients (and accumulates them); stage 0 sends nothing back."""
-    step, state, _, batch = _run("gpt", _method(2, "zero_bubble", "auto"), steps=1)
-    layout = step.get_executable(state, batch).layout
+    module, config = _config("gpt", False)
+    step = autopar.parallelize(
+        module.make_train_step(autopar.value_and_grad), method=_method(2, "zero_bubble", "auto")
+    )
+    state, batch = module.create_train_state(config, batch_size=2), module.make_batch(config, BATCH)
+    layout = step.get_executable(state, batch).layout  # segments compile on their first call
     kinds = {kind for (_, kind, _) in layout.segments}
     assert TaskKind.BACKWARD not in kinds
     assert {TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT} <= kinds
@@ -126,7 +129,7 @@ def test_zero_bubble_runs_weight_gradients_as_their_own_tasks():
 
 
 def test_auto_schedule_plans_each_and_keeps_the_fastest():
-    module, config = _config("gpt", False)
+    module, config = _config("mlp", False)
     state = module.create_train_state(config, batch_size=2)
     batch = module.make_batch(config, BATCH)
     train_step = module.make_train_step(autopar.value_and_grad)

@@ -9,7 +9,6 @@ import pytest
 from conftest import relative_error
 
 import autopar
-from autopar.methods import method_mesh
 from autopar.models import GPTConfig, abstract_train_inputs, gpt
 from autopar.planner import ilp as ilp_module
 from autopar.planner.intra import ShardingProblem
@@ -96,7 +95,7 @@ def _gpt_problem(
         donate_argnums=(0,),
         regather_params=True,
     )
-    mesh = method_mesh(autopar.ShardParallel(), cluster)[0]
+    mesh = autopar.ShardParallel().mesh(cluster)[0]
     config = autopar.AutoShardingOption(memory_budget_per_device=1e12, **option).to_config()
     return ShardingProblem(traced.program, mesh, cluster, config, 1)
 
