@@ -56,8 +56,7 @@ def _stage_of_device(plan: Plan) -> dict[int, int]:
 
 
 def _draw_devices(ax, plan: Plan, colours) -> None:
-    hosts = int(plan.cluster.get("num_hosts", 1))
-    per_host = int(plan.cluster.get("devices_per_host", plan.num_devices))
+    hosts, per_host = plan.cluster.num_hosts, plan.cluster.devices_per_host
     stage_of = _stage_of_device(plan)
     for h in range(hosts):
         for d in range(per_host):
@@ -149,7 +148,7 @@ def _draw_timeline(ax, plan: Plan, colours) -> None:
 
 def draw_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write `plan`'s picture to `path` as a PNG (see the module docstring)."""
-    hosts = int(plan.cluster.get("num_hosts", 1))
+    hosts = plan.cluster.num_hosts
     height = max(3.0, 0.9 * max(hosts, len(plan.stages)) + 1.8)
     figure = Figure(figsize=(14, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -161,5 +160,5 @@ def draw_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 
     _draw_devices(grid, plan, colours)
     _draw_timeline(timeline, plan, colours)
-    figure.suptitle(f"autopar plan: {plan.method} on {plan.cluster.get('name', '?')}", fontsize=11)
+    figure.suptitle(f"autopar plan: {plan.method} on {plan.cluster.name}", fontsize=11)
     figure.savefig(os.fspath(path), format="png")

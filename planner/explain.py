@@ -289,7 +289,7 @@ def explain_plan(plan: Plan) -> Explanation:
         notes.append("baselines are priced on the step as ShardParallel traces it")
     return Explanation(
         method=plan.method,
-        cluster=str(plan.cluster.get("name", "?")),
+        cluster=plan.cluster.name,
         num_devices=plan.num_devices,
         num_micro_batches=plan.num_micro_batches,
         chosen=chosen,

@@ -204,7 +204,7 @@ def plan_data_parallel(
         num_micro_batches=k,
         stages=(stage_plan,),
         predicted=predict(program, step, stage_plan, cluster, stage, gradients, once, k),
-        cluster=cluster.to_dict(),
+        cluster=cluster,
         input_paths=sig.input_paths,
         output_paths=sig.output_paths,
         donated_inputs=sig.donated_inputs,

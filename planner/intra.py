@@ -529,7 +529,7 @@ class ShardingProblem:
             num_micro_batches=self.num_micro_batches,
             stages=(stage,),
             predicted=predicted,
-            cluster=self.cluster.to_dict(),
+            cluster=self.cluster,
             input_paths=sig.input_paths,
             output_paths=sig.output_paths,
             donated_inputs=sig.donated_inputs,

@@ -605,7 +605,7 @@ def plan_pipeshard(
             communication_bytes=comm_bytes,
             flops=flops,
         ),
-        cluster=cluster.to_dict(),
+        cluster=cluster,
         input_paths=sig.input_paths,
         output_paths=sig.output_paths,
         donated_inputs=sig.donated_inputs,

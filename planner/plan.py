@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from autopar.planner.cluster import ClusterSpec
+
 Spec = tuple[tuple[str, ...] | None, ...]
 
 PLAN_FORMAT_VERSION = 9
@@ -170,7 +172,7 @@ class Plan:
     num_micro_batches: int
     stages: tuple[StagePlan, ...]
     predicted: Predicted
-    cluster: Mapping[str, Any]
+    cluster: ClusterSpec
     input_paths: tuple[str, ...]
     output_paths: tuple[str, ...]
     donated_inputs: tuple[int, ...] = ()
@@ -292,7 +294,7 @@ def _plan_from_dict(d: Mapping[str, Any]) -> Plan:
         num_micro_batches=d["num_micro_batches"],
         stages=tuple(_stage_from_dict(s) for s in d["stages"]),
         predicted=Predicted(**d["predicted"]),
-        cluster=dict(d["cluster"]),
+        cluster=ClusterSpec.from_dict(d["cluster"]),
         input_paths=tuple(d["input_paths"]),
         output_paths=tuple(d["output_paths"]),
         donated_inputs=tuple(d["donated_inputs"]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from autopar.planner.plan import Plan, Predicted, Spec, StagePlan, format_spec
 
@@ -122,7 +122,7 @@ def throughput(plan: Plan) -> tuple[float, float] | None:
     if p.flops <= 0 or p.step_time_s <= 0 or plan.num_devices == 0:
         return None
     per_device = p.flops / p.step_time_s / plan.num_devices
-    peak = float(plan.cluster.get("device_flops", 0.0))
+    peak = plan.cluster.device_flops
     return per_device, per_device / peak if peak > 0 else math.nan
 
 
@@ -148,24 +148,21 @@ def _costs(p: Predicted) -> str:
 
 
 def _cluster_line(plan: Plan) -> str:
-    c: Mapping = plan.cluster
-    if "num_hosts" not in c:
-        return f"cluster {c.get('name', '?')}"
-    bandwidth = c.get("memory_bandwidth")
+    c = plan.cluster
     memory = (
-        f"{bandwidth / 1e9:.4g} GB/s memory bandwidth"
-        if bandwidth
+        f"{c.memory_bandwidth / 1e9:.4g} GB/s memory bandwidth"
+        if c.memory_bandwidth
         else "memory bandwidth not given: memory-bound work priced free"
     )
     return (
-        f"cluster {c.get('name', '?')} ({c['num_hosts']} host(s) x {c['devices_per_host']} "
-        f"devices, {format_flops(c['device_flops'])}/s 16-bit peak, {memory}, "
-        f"{format_bytes(c['device_memory'])} per device)"
+        f"cluster {c.name} ({c.num_hosts} host(s) x {c.devices_per_host} "
+        f"devices, {format_flops(c.device_flops)}/s 16-bit peak, {memory}, "
+        f"{format_bytes(c.device_memory)} per device)"
     )
 
 
 def _stage_lines(plan: Plan, stage: StagePlan, max_rows: int) -> list[str]:
-    dph = int(plan.cluster.get("devices_per_host", stage.mesh.num_devices))
+    dph = plan.cluster.devices_per_host
     hosts, per_host = _stage_devices(stage, dph)
     mesh = " x ".join(
         f"{n}={s}" for n, s in zip(stage.mesh.axis_names, stage.mesh.shape, strict=True)

@@ -246,7 +246,7 @@ def test_older_plan_files_still_load(version, missing):
         data["cluster"].pop(key)
     old = Plan.from_json(json.dumps(data))
     assert old.stages == plan.stages
-    cluster = ClusterSpec.from_dict(old.cluster)
+    cluster = old.cluster
     defaults = {f.name: f.default for f in dataclasses.fields(ClusterSpec)}
     assert all(getattr(cluster, key) == defaults[key] for key in missing)
 
