@@ -80,7 +80,7 @@ def _planned(
         return traced, found
     request = PlanRequest(traced, mesh, cluster, tuple(devices), remat_trace)
     traced_for, plan = method.plan_step(request)
-    if not plan.tracing:
+    if plan.tracing is None:
         record = tracing_record(method.regather_params, method.layer_option)
         plan = dataclasses.replace(plan, tracing=record)
     if cache and traced_for is traced:

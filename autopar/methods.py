@@ -365,7 +365,7 @@ class PlanFile(ParallelMethod):
 
     @property
     def regather_params(self) -> bool:
-        return bool(self.plan.tracing["regather_params"])
+        return self.plan.tracing.regather_params
 
     @property
     def layer_option(self) -> LayerOption | None:

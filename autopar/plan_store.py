@@ -24,7 +24,7 @@ from typing import Any
 from autopar.options import AutoLayerOption, LayerOption, ManualLayerOption
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.plan import PLAN_FORMAT_VERSION, Plan
+from autopar.planner.plan import PLAN_FORMAT_VERSION, Plan, TracingRecord
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +32,18 @@ CACHE_ENV = "AUTOPAR_PLAN_CACHE"
 _LAYER_OPTIONS = {"manual": ManualLayerOption, "auto": AutoLayerOption}
 
 
-def tracing_record(regather_params: bool, layer_option: LayerOption | None) -> dict[str, Any]:
+def tracing_record(regather_params: bool, layer_option: LayerOption | None) -> TracingRecord:
     """What `Plan.tracing` keeps: enough to trace the same program again."""
     layers = None
     if layer_option is not None:
         kind = "manual" if isinstance(layer_option, ManualLayerOption) else "auto"
         layers = {"kind": kind, **dataclasses.asdict(layer_option)}
-    return {"regather_params": regather_params, "layer_option": layers}
+    return TracingRecord(regather_params, layers)
 
 
 def layer_option_of(plan: Plan) -> LayerOption | None:
     """The layer option a plan's step was traced with (None: not pipelined)."""
-    record = dict(plan.tracing.get("layer_option") or {})
+    record = dict(plan.tracing.layer_option or {}) if plan.tracing else {}
     if not record:
         return None
     return _LAYER_OPTIONS[record.pop("kind")](**record)
@@ -59,7 +59,7 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
         plan = Plan.from_json(text)
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidArgumentError(f"{str(path)!r} is not an autopar plan file: {e}") from e
-    if "regather_params" not in plan.tracing:
+    if plan.tracing is None:
         raise InvalidArgumentError(
             f"plan file {str(path)!r} does not record how its step was traced (plan.tracing); "
             "save plans made by autopar.plan or train_step.get_plan"

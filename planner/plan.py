@@ -164,6 +164,16 @@ class OpGroupCost:
         return self.compute_s + self.communication_s
 
 
+@dataclasses.dataclass(frozen=True)
+class TracingRecord:
+    """How the step was traced for a plan, so that a plan file or a Ray worker traces the same
+    program again: parameters regathered in the backward pass (FSDP), and the layer option as
+    `{"kind": "manual" | "auto", **its fields}` (None: the loss is not cut into layers)."""
+
+    regather_params: bool
+    layer_option: Mapping[str, Any] | None = None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """How to run one training step in parallel. See the module docstring."""
@@ -179,9 +189,8 @@ class Plan:
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
     pipeline_schedule: str | None = None  # a `PipelineSchedule` value for pipelined plans
-    # How the step was traced for this plan (regather_params, layer_option), so that a plan file
-    # can trace the same program again; filled in by `autopar.api`.
-    tracing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # How the step was traced for this plan; filled in by `autopar.api` (None: not recorded).
+    tracing: TracingRecord | None = None
     # What `explain()` needs besides this data (the traced step, the cluster, the options): a
     # `planner.explain.PlanningContext` attached by `autopar.plan` / `get_plan`. Never
     # serialised and not part of equality: a plan read from JSON has none.
@@ -301,5 +310,5 @@ def _plan_from_dict(d: Mapping[str, Any]) -> Plan:
         fingerprint=d["fingerprint"],
         notes=tuple(d["notes"]),
         pipeline_schedule=d["pipeline_schedule"],
-        tracing=dict(d["tracing"]),
+        tracing=TracingRecord(**d["tracing"]) if d["tracing"] else None,
     )

@@ -59,7 +59,7 @@ class StepSource:
             static_argnums=static,
             batch_argnums=batch,
             donate_argnums=donate,
-            regather_params=bool(plan.tracing.get("regather_params", False)),
+            regather_params=plan.tracing is not None and plan.tracing.regather_params,
             num_micro_batches=plan.num_micro_batches,
             layer_option=layer_option_of(plan),
         )

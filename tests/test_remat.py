@@ -41,7 +41,7 @@ def test_tight_budget_recomputes_layers_and_matches_serial(gpu_costs):
     batch = gpt.make_batch(GPT, BATCH)
     step = autopar.parallelize(gpt.make_train_step(autopar.value_and_grad), method=_tight(TIGHT))
     plan = step.get_plan(state, batch)
-    assert plan.tracing["layer_option"]["remat_mode"] == "coarse_grained"
+    assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
     assert any("recomputed" in note for note in plan.notes)
     assert plan.predicted.memory_per_device_bytes <= TIGHT
     roomy = autopar.plan(
@@ -59,7 +59,7 @@ def test_tight_budget_recomputes_layers_and_matches_serial(gpu_costs):
 def test_a_budget_that_fits_is_planned_without_recomputation(gpu_costs):
     step, state, batch = abstract_train_inputs(gpt, GPT, BATCH)
     plan = autopar.plan(step, state, batch, method=_tight(64 * 2**20))
-    assert plan.tracing["layer_option"] is None
+    assert plan.tracing.layer_option is None
 
 
 def test_impossible_budget_names_the_least_memory_and_what_to_change(gpu_costs):
