@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from autopar.planner.cost import LogicalMesh
 from autopar.planner.graph import OpNode
 from autopar.planner.groups import Grouping, Value, input_value
-from autopar.planner.strategy import FOLLOW_RULES, divides, make_spec
+from autopar.planner.sharding_rules import FOLLOW_RULES
+from autopar.planner.strategy import divides, make_spec
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from typing import Any
 from autopar.planner.cost import LogicalMesh
 from autopar.planner.graph import OpNode
 from autopar.planner.plan import Spec, replicated
+from autopar.planner.primitives import names_where
 from autopar.planner.strategy import (
     Axes,
     Strategy,
@@ -23,16 +24,7 @@ from autopar.planner.strategy import (
     split_size,
 )
 
-_ELEMENTWISE_NAMES = """
-neg sign floor ceil round is_finite exp exp2 log expm1 log1p tanh logistic sin cos tan asin acos
-atan atan2 sinh cosh asinh acosh atanh abs sqrt rsqrt cbrt square not and or xor
-population_count clz add add_any sub mul div rem max min pow integer_pow nextafter shift_left
-shift_right_arithmetic shift_right_logical eq ne lt le gt ge select_n clamp erf erfc erf_inv
-lgamma digamma igamma igammac igamma_grad_a random_gamma_grad polygamma zeta bessel_i0e
-bessel_i1e regularized_incomplete_beta real imag conj complex mulhi reduce_precision
-convert_element_type copy stop_gradient random_seed random_fold_in threefry2x32
-"""
-ELEMENTWISE = tuple(_ELEMENTWISE_NAMES.split())
+ELEMENTWISE = tuple(sorted(names_where("elementwise")))
 
 
 def _replicated_operand(node: OpNode, k: int) -> Spec | None:

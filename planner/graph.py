@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal
 
+from autopar.planner.primitives import PRIMITIVES, FlopRule
+
 logger = logging.getLogger(__name__)
 
 
@@ -245,45 +247,33 @@ def cond_flops(eqn: JaxprEqn) -> float:
     return max((jaxpr_flops(b.jaxpr) for b in eqn.params["branches"]), default=0.0)
 
 
-_ELEMENTWISE = """
-neg sign floor ceil round is_finite exp exp2 log expm1 log1p tanh logistic sin cos tan asin acos
-atan atan2 sinh cosh asinh acosh atanh abs sqrt rsqrt cbrt square not and or xor
-population_count clz add add_any sub mul div rem max min pow integer_pow nextafter shift_left
-shift_right_arithmetic shift_right_logical eq ne lt le gt ge select_n clamp erf erfc erf_inv
-lgamma digamma igamma igammac polygamma zeta bessel_i0e bessel_i1e real imag conj complex
-reduce_precision
-"""
-_REDUCTIONS = """
-reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor reduce argmax argmin
-cumsum cumprod cummax cummin cumlogsumexp reduce_window_sum reduce_window_max reduce_window_min
-reduce_window
-"""
-_DATA_MOVEMENT = """
-reshape broadcast_in_dim broadcast_to transpose slice concatenate gather scatter dynamic_slice
-dynamic_update_slice convert_element_type bitcast_convert_type copy squeeze
-pad rev iota stack unstack split tile stop_gradient optimization_barrier
-sharding_constraint reshard device_put layout_constraint pvary zeros_like empty
-random_wrap random_unwrap random_seed autopar_param_use autopar_grad_boundary
-"""
-_SCATTER_COMBINE = "scatter-add scatter_add scatter-sub scatter-mul scatter-min scatter-max"
+def sort_flops(eqn: JaxprEqn) -> float:
+    """n·log2(n) comparisons per row of n sorted elements."""
+    shape = eqn.invars[0].aval.shape
+    n = shape[eqn.params["dimension"]] if shape else 1
+    return float(_size(eqn.invars[0].aval) * math.log2(n)) if n > 1 else 0.0
 
+
+_FLOP_FUNCTIONS: Mapping[FlopRule, Callable[[JaxprEqn], float]] = {
+    FlopRule.ELEMENTWISE: elementwise_flops,
+    FlopRule.REDUCTION: reduction_flops,
+    FlopRule.SCATTER_COMBINE: scatter_combine_flops,
+    FlopRule.DATA_MOVEMENT: data_movement_flops,
+    FlopRule.DOT_GENERAL: dot_general_flops,
+    FlopRule.CONVOLUTION: conv_flops,
+    FlopRule.SORT: sort_flops,
+    FlopRule.SCAN: scan_flops,
+    FlopRule.WHILE: while_flops,
+    FlopRule.COND: cond_flops,
+}
 FLOP_RULES: Mapping[str, Callable[[JaxprEqn], float]] = types.MappingProxyType(
-    {
-        **dict.fromkeys(_ELEMENTWISE.split(), elementwise_flops),
-        **dict.fromkeys(_REDUCTIONS.split(), reduction_flops),
-        **dict.fromkeys(_DATA_MOVEMENT.split(), data_movement_flops),
-        **dict.fromkeys(_SCATTER_COMBINE.split(), scatter_combine_flops),
-        "dot_general": dot_general_flops,
-        "conv_general_dilated": conv_flops,
-        "scan": scan_flops,
-        "while": while_flops,
-        "cond": cond_flops,
-    }
+    {name: _FLOP_FUNCTIONS[info.flops] for name, info in PRIMITIVES.items()}
 )
 
 
 def eqn_flops(eqn: JaxprEqn) -> float:
-    """FLOPs of one eqn: its inlined body's, or its `FLOP_RULES` entry; 0 if unknown."""
+    """FLOPs of one eqn: its inlined body's, or by its record's rule (`primitives.PRIMITIVES`);
+    0 if unknown."""
     body = inlined_body(eqn)
     if body is not None:
         return jaxpr_flops(body[0])

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
 from autopar.planner.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
-from autopar.planner.strategy import FOLLOW_RULES, LEADER_RULES
+from autopar.planner.sharding_rules import FOLLOW_RULES, LEADER_RULES
 
 TRANSPARENT = (GRAD_BOUNDARY, LAYER_BOUNDARY, PIPELINE_BOUNDARY, "optimization_barrier")
 # Params that name *which* value an op is about, not what it does: layers that differ only in

@@ -23,37 +23,18 @@ from collections.abc import Iterable
 import numpy as np
 
 from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
-from autopar.planner.follow_rules import ELEMENTWISE
 from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value
 from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.plan import Spec
+from autopar.planner.primitives import names_where
 from autopar.planner.program import StepSignature
 from autopar.planner.strategy import spec_axes, split_size, without_axes
 
-# Ops whose output is their operand's buffer (no copy): markers, bitcasts, layout folded into use.
-_ALIASES = frozenset({"autopar_param_use", "reshape", "squeeze", "transpose"})
-_FUSED = frozenset(ELEMENTWISE) | {"broadcast_in_dim", "reshape", "squeeze", "iota"}
-# Element-wise ops XLA does not duplicate into several fusions (`IsExpensive`): their result is
-# kept when more than one fusion reads it. The rest are recomputed in each reader.
-_EXPENSIVE = frozenset(
-    {
-        *("div", "rem", "pow", "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt", "cbrt"),
-        *("tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2"),
-        *("sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv", "lgamma"),
-        *("digamma", "igamma", "igammac", "random_gamma_grad", "polygamma", "zeta"),
-        *("bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "threefry2x32"),
-    }
-)
-_FUSES_OPERANDS = _FUSED | {
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-    "transpose",
-}
+_ALIASES = names_where("aliases")  # relabel their operand's buffer (`primitives`)
+_FUSED = names_where("fuses")
+_EXPENSIVE = names_where("expensive")  # XLA's `IsExpensive`: kept, not recomputed per fusion
+_FUSES_OPERANDS = _FUSED | names_where("fuses_operands")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,9 +37,8 @@ from autopar.planner.leader_rules import source_strategies
 from autopar.planner.memory import value_aval
 from autopar.planner.plan import Spec
 from autopar.planner.roofline import Roofline
+from autopar.planner.sharding_rules import FOLLOW_RULES, LEADER_RULES
 from autopar.planner.strategy import (
-    FOLLOW_RULES,
-    LEADER_RULES,
     Strategy,
     replicated_strategy,
     spec_axes,

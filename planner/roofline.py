@@ -34,27 +34,17 @@ from collections.abc import Sequence
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.graph import OpNode, ValueKind
 from autopar.planner.groups import Grouping, Value
-from autopar.planner.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
+from autopar.planner.primitives import PRIMITIVES, FlopRule, names_where
 
-# Ops that move no data: markers, and relabels of their operand's buffer (the memory model's
-# aliases; a transpose folds into the dot or fusion that reads it).
-_NO_KERNEL = frozenset(
-    {
-        *(GRAD_BOUNDARY, LAYER_BOUNDARY, PIPELINE_BOUNDARY, PARAM_USE),
-        *("optimization_barrier", "sharding_constraint", "reshard", "device_put", "pvary"),
-        *("layout_constraint", "stop_gradient", "random_wrap", "random_unwrap"),
-        *("reshape", "squeeze", "transpose"),
-    }
+# What the roofline reads off `primitives.PRIMITIVES`: ops that launch nothing (markers,
+# relabels), contractions (their own peak), XLA's transcendental class.
+_NO_KERNEL = frozenset(n for n, info in PRIMITIVES.items() if not info.kernel)
+_CONTRACTIONS = frozenset(
+    n
+    for n, info in PRIMITIVES.items()
+    if info.flops in (FlopRule.DOT_GENERAL, FlopRule.CONVOLUTION)
 )
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-# XLA's transcendental class (what `HloCostAnalysis` counts as transcendentals, not FLOPs).
-_TRANSCENDENTAL = frozenset(
-    {
-        *("exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "pow"),
-        *("sqrt", "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "atan2"),
-        *("sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"),
-    }
-)
+_TRANSCENDENTAL = names_where("transcendental")
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec) -> float:
