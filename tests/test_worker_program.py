@@ -14,22 +14,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.models import GPTConfig, gpt
+from autopar.models import MLPConfig, mlp
 from autopar.runtime.layout import PipelineLayout
 from autopar.runtime.transport import SocketTransport, TransferTimeoutError
 from autopar.runtime.worker_program import Free, Receive, Run, Send, Take, worker_programs
 
 
 def _layout(stages: int, micro_batches: int, schedule: str) -> PipelineLayout:
-    config = GPTConfig(num_layers=4)
+    config = MLPConfig(in_dim=32, hidden=32, out_dim=32, num_layers=4)
     method = autopar.PipeshardParallel(
         num_micro_batches=micro_batches,
         layer_option=autopar.AutoLayerOption(layer_num=4),
         stage_option=autopar.UniformStageOption(stages),
         pipeline_schedule=schedule,
     )
-    step = autopar.parallelize(gpt.make_train_step(autopar.value_and_grad), method=method)
-    state, batch = gpt.create_train_state(config, batch_size=2), gpt.make_batch(config, 16)
+    step = autopar.parallelize(mlp.make_train_step(autopar.value_and_grad), method=method)
+    state, batch = mlp.create_train_state(config, batch_size=2), mlp.make_batch(config, 16)
     return step.get_executable(state, batch).layout
 
 
@@ -89,7 +89,14 @@ def _reads_later(program, key) -> list:
 
 @pytest.mark.parametrize(
     ("stages", "micro_batches", "schedule"),
-    [(2, 4, "1f1b"), (4, 4, "1f1b"), (4, 8, "1f1b"), (2, 4, "gpipe"), (4, 2, "gpipe")],
+    [
+        (2, 4, "1f1b"),
+        (4, 8, "1f1b"),
+        (2, 4, "gpipe"),
+        (4, 2, "gpipe"),
+        (2, 4, "zero_bubble"),
+        (4, 4, "zero_bubble"),
+    ],
 )
 def test_stage_programs_run_together_in_the_schedule_order(stages, micro_batches, schedule):
     layout = _layout(stages, micro_batches, schedule)
