@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from autopar.planner.plan import Plan
-from autopar.runtime.layout import Key, PipelineLayout, micro_batch_of
+from autopar.runtime.layout import Key, PipelineLayout, PlaceInput, RunTask, micro_batch_of
 from autopar.runtime.transport import (
     Address,
     Part,
@@ -34,7 +34,7 @@ from autopar.runtime.transport import (
     key_impl,
     local_shards,
 )
-from autopar.runtime.worker_program import Free, Receive, Run, Send, Take, worker_programs
+from autopar.runtime.worker_program import Free, Receive, Send, worker_programs
 from autopar.tracing import TracedStep, abstract_arguments
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ class MeshWorker:
         consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         clock = self._clock
         for instruction in self._program:
-            if isinstance(instruction, Run):
+            if isinstance(instruction, RunTask):
                 segment = instruction.segment
                 j = instruction.micro_batch
                 self._timed(segment.name, j, runner.run, segment, j)
@@ -322,7 +322,7 @@ class MeshWorker:
                     runner.free(key)
                 continue
             var, j = instruction.key
-            if isinstance(instruction, Take):
+            if isinstance(instruction, PlaceInput):
                 whole = consts[var] if var in consts else values[layout.var_id[var]]
                 runner.place(instruction.key, whole if j is None else micro_batch_of(whole, j, k))
             elif isinstance(instruction, Send):

@@ -4,9 +4,10 @@
 runs only its stage's, from one call per step, and exchanges values with the other stages itself
 (`runtime.transport`). This module cuts the walk into one instruction list per stage:
 
-* `Take`: hold a step input (the caller's value, a micro-batch slice of it, or a constant);
+* `PlaceInput` (the walk's own): hold a step input (the caller's value, a micro-batch slice of
+  it, or a constant);
 * `Receive`: hold a value another stage sends (waits for it);
-* `Run`: run a task;
+* `RunTask` (the walk's own): run a task;
 * `Send`: send a value to a stage that will read it, right after it is available here (after
   the task that wrote it, or after it arrived), not when the reader gets to it;
 * `Free`: drop values no task of this stage reads any more (consecutive frees in one).
@@ -26,25 +27,13 @@ from autopar.runtime.layout import (
     PipelineLayout,
     PlaceInput,
     RunTask,
-    Segment,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Take:
-    key: Key
 
 
 @dataclasses.dataclass(frozen=True)
 class Receive:
     key: Key
     source: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    segment: Segment
-    micro_batch: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +47,7 @@ class Free:
     keys: tuple[Key, ...]
 
 
-Instruction = Take | Receive | Run | Send | Free
+Instruction = PlaceInput | Receive | RunTask | Send | Free
 
 
 def worker_programs(layout: PipelineLayout) -> list[tuple[Instruction, ...]]:
@@ -68,7 +57,7 @@ def worker_programs(layout: PipelineLayout) -> list[tuple[Instruction, ...]]:
     sends: dict[tuple[int, int], list[Send]] = {}  # (stage, index) -> sends that follow it
     for op in layout.walk.ops:
         if isinstance(op, PlaceInput):
-            programs[op.stage].append(Take(op.key))
+            programs[op.stage].append(op)
             available_at[op.key, op.stage] = len(programs[op.stage]) - 1
         elif isinstance(op, CopyValue):
             after = (op.source, available_at[op.key, op.source])
@@ -77,7 +66,7 @@ def worker_programs(layout: PipelineLayout) -> list[tuple[Instruction, ...]]:
             available_at[op.key, op.target] = len(programs[op.target]) - 1
         elif isinstance(op, RunTask):
             stage = op.segment.stage
-            programs[stage].append(Run(op.segment, op.micro_batch))
+            programs[stage].append(op)
             for key in layout.writes_of(op.segment, op.micro_batch):
                 available_at[key, stage] = len(programs[stage]) - 1
         elif isinstance(op, FreeValue):
@@ -99,4 +88,4 @@ def worker_programs(layout: PipelineLayout) -> list[tuple[Instruction, ...]]:
 
 def taken_inputs(program: tuple[Instruction, ...]) -> list[Key]:
     """The step inputs a stage's program takes, in order."""
-    return [i.key for i in program if isinstance(i, Take)]
+    return [i.key for i in program if isinstance(i, PlaceInput)]

@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.models import MLPConfig, mlp
-from autopar.runtime.layout import PipelineLayout
+from autopar.runtime.layout import PipelineLayout, PlaceInput, RunTask
 from autopar.runtime.transport import SocketTransport, TransferTimeoutError
-from autopar.runtime.worker_program import Free, Receive, Run, Send, Take, worker_programs
+from autopar.runtime.worker_program import Free, Receive, Send, worker_programs
 
 
 def _layout(stages: int, micro_batches: int, schedule: str) -> PipelineLayout:
@@ -51,7 +51,7 @@ def _run_symbolically(layout: PipelineLayout) -> dict[int, list]:
                     if (instruction.key, instruction.source, s) not in sent:
                         break  # waits for the other stage
                     held[s].add(instruction.key)
-                elif isinstance(instruction, Take):
+                elif isinstance(instruction, PlaceInput):
                     held[s].add(instruction.key)
                 elif isinstance(instruction, Send):
                     assert instruction.key in held[s], f"stage {s} sends {instruction.key} early"
@@ -72,7 +72,7 @@ def _run_symbolically(layout: PipelineLayout) -> dict[int, list]:
     return ran
 
 
-def _reads(held: set, run: Run) -> set:
+def _reads(held: set, run: RunTask) -> set:
     """The keys a task reads, as `StageRunner.run` looks them up."""
     j = run.micro_batch
     return {(v, j) if (v, j) in held else (v, None) for v in run.segment.reads}
@@ -83,7 +83,7 @@ def _reads_later(program, key) -> list:
     return [
         i
         for i in program
-        if isinstance(i, Run) and var in i.segment.reads and j in (None, i.micro_batch)
+        if isinstance(i, RunTask) and var in i.segment.reads and j in (None, i.micro_batch)
     ]
 
 
