@@ -140,7 +140,7 @@ def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_wor
         stage_option=autopar.UniformStageOption(4),
         pipeline_schedule="1f1b",
     )
-    step, state, _, batch = parallel_steps(gpt, GPT, method, BATCH, 1)  # builds, compiles
+    step, state, _, batch = parallel_steps(mlp, MLP, method, BATCH, 1)  # builds, compiles
     executable = step.get_executable(state, batch)
     assert [len(a) for a in executable.actors] == [1, 1, 1, 1]
     submitted = []
@@ -161,7 +161,7 @@ def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_wor
         assert executable.last_worker_bytes > 0
     monkeypatch.undo()
     params = jax.tree.map(np.asarray, state.params)
-    assert relative_error(params, serial_state(gpt, GPT, BATCH, STEPS).params) <= 1e-5
+    assert relative_error(params, serial_state(mlp, MLP, BATCH, STEPS).params) <= 1e-5
     tasks = [t for t in executable.timeline() if ".apply" not in t.segment]
     assert len(tasks) == STEPS * 4 * 16 * 2  # every forward and backward of every step
     # The workers' device clocks carry the schedule's dependencies: a stage's forward of a
