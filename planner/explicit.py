@@ -490,6 +490,30 @@ def _gathers(
     return at_uses + updates
 
 
+_REDUCES = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
+
+
+def _partial_reductions(
+    program: Program, step: _Step, plan: StagePlan, stage: ZeroStage, k: int
+) -> list[tuple[float, int]]:
+    """Reductions over a dim the plan splits that are not gradient sums (a loss's mean over the
+    batch, batch norm's batch statistics, a gradient norm over split gradients): each
+    all-reduces its result, as (bytes, runs per step)."""
+    gradient_sums = {n for chain in gradient_chains(program.graph) for n in chain.sums}
+    found = []
+    for node in step.grouping.planned_nodes():
+        if node.primitive not in _REDUCES or node.id in gradient_sums:
+            continue
+        operand = step.grouping.value_of(node.inputs[0])
+        if operand is None:
+            continue
+        spec = _value_spec(program, step, plan, stage, operand)
+        if any(spec[d] for d in node.params["axes"]):
+            runs = k if node.id in step.per_micro_batch else 1
+            found.append((float(node.out_avals[0].nbytes), runs))
+    return found
+
+
 def _summed_per_micro_batch(
     program: Program, gradients: list[_Gradient], once: list[bool]
 ) -> float:
@@ -521,7 +545,8 @@ def predict(
     micro-batches, gradients of G bytes reduced once per step and of g bytes per micro-batch
     (each sum of a gradient's chain reduced by itself):
     DP all-reduce(G) + k·all-reduce(g); ZeRO-2 and ZeRO-3 reduce-scatter(G) + k·reduce-scatter(g)
-    and their all-gathers (`_gathers`). Memory is the peak of the liveness model (`_memory`);
+    and their all-gathers (`_gathers`); every method the all-reduces of reductions over a dim it
+    splits (`_partial_reductions`). Memory is the peak of the liveness model (`_memory`);
     compute adds the fresh-memory time of the temporaries (`roofline.fresh_memory_s`).
     """
     mesh = stage_plan.mesh
@@ -544,6 +569,9 @@ def predict(
     for nbytes, runs in _gathers(program, step, stage_plan, gradients, k):
         comm_bytes += runs * result_bytes(lmesh, Collective.ALL_GATHER, nbytes, axes)
         comm += runs * lmesh.all_gather_cost(nbytes, axes)
+    for nbytes, runs in _partial_reductions(program, step, stage_plan, stage, k):
+        comm_bytes += runs * result_bytes(lmesh, Collective.ALL_REDUCE, nbytes, axes)
+        comm += runs * lmesh.all_reduce_cost(nbytes, axes)
     cpu = cluster.platform == "cpu"
     memory, stored = _memory(program, step, stage_plan, stage, lmesh, cpu, k)
     flops, compute = _compute(program, step, cluster, stage, mesh.num_devices, k)
