@@ -6,7 +6,7 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grads)
 """
 
-from autopar.api import ParallelizedFunc, parallelize, plan
+from autopar.api import ParallelizedFunc, explain, parallelize, plan
 from autopar.checkpoint import restore_checkpoint, save_checkpoint
 from autopar.context import init, shutdown, simulate_cpu_devices
 from autopar.data import prefetch_batches
@@ -82,6 +82,7 @@ __all__ = [
     "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
+    "explain",
     "grad",
     "init",
     "mark_pipeline_boundary",

@@ -23,7 +23,7 @@ from autopar.options import AutoLayerOption, AutoShardingOption
 from autopar.plan_store import PlanCache, tracing_record
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.explain import PlanningContext
+from autopar.planner.explain import Explanation, PlanningContext, explain_plan
 from autopar.planner.pipeline import StepParts, split_step
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.planner.program import Program
@@ -88,15 +88,15 @@ def _planned(
     return traced_for, plan
 
 
-def _with_context(
+def _planning_context(
     plan: Plan,
     traced: TracedStep,
     method: ParallelMethod,
     mesh: MeshPlan,
     cluster: ClusterSpec,
     retrace: Callable[[ParallelMethod], TracedStep],
-) -> Plan:
-    """`plan` with the `PlanningContext` that `Plan.explain()` needs (not serialised).
+) -> PlanningContext:
+    """What explaining `plan` needs besides its data (`planner.explain.PlanningContext`).
 
     `retrace(method)` traces the same step for another method: as ShardParallel traces it (for
     the single-mesh baselines) or cut into layers (for pipeline baselines)."""
@@ -128,7 +128,7 @@ def _with_context(
         shape, axes = ((per_host,), ("x",)) if hosts == 1 else (cluster_shape, ("x", "y"))
         single_mesh = MeshPlan(shape, axes, mesh.device_indices)
     reuse = method.traced_as_shard_parallel
-    context = PlanningContext(
+    return PlanningContext(
         program=traced.program,
         cluster=cluster,
         mesh=single_mesh,
@@ -139,7 +139,6 @@ def _with_context(
         single_mesh_program=None if reuse else single_mesh_program,
         layered=layered,
     )
-    return dataclasses.replace(plan, context=context)
 
 
 def trace_for_method(
@@ -259,6 +258,7 @@ class ParallelizedFunc:
         self._batch_argnums = tuple(batch_argnums)
         self._executables: dict[Any, Executable] = {}
         self._plans: dict[Any, tuple[TracedStep, Plan]] = {}
+        self._contexts: dict[Any, PlanningContext] = {}  # beside each plan, for `explain`
         # Per call signature (`_call_signature`): the executable and where its flat inputs
         # sit among all the arguments' leaves, so that a repeated call skips `_key`'s walk.
         self._dispatch: dict[Any, tuple[Executable, tuple[int, ...]]] = {}
@@ -312,14 +312,23 @@ class ParallelizedFunc:
             remat = functools.partial(trace_for_method, self.fun, abstract, self.method, argnums)
             traced, plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices, remat)
             retrace = functools.partial(_retrace, self.fun, abstract, argnums=argnums)
-            plan = _with_context(plan, traced, self.method, mesh, runtime.cluster_spec, retrace)
-            self._plans[key] = (traced, plan)
+            cluster = runtime.cluster_spec
+            context = _planning_context(plan, traced, self.method, mesh, cluster, retrace)
+            self._plans[key], self._contexts[key] = (traced, plan), context
         return self._plans[key]
 
     def get_plan(self, *args: Any) -> Plan:
         """The plan for these arguments (traced and planned once per input shapes)."""
         key, _ = self._key(args, self._argnums(args)[0])
         return self._traced_plan(args, key)[1]
+
+    def explain(self, *args: Any) -> Explanation:
+        """The plan for these arguments next to DP, ZeRO-2, ZeRO-3, Megatron and pipeline
+        baselines priced by the same cost model, and the op groups that cost it most
+        (`planner.explain.Explanation`; `str()` of it is a table; `.chosen.plan` the plan)."""
+        key, _ = self._key(args, self._argnums(args)[0])
+        plan = self._traced_plan(args, key)[1]
+        return explain_plan(plan, self._contexts[key])
 
     def get_executable(self, *args: Any) -> Executable:
         """The compiled executable for these arguments, compiled once per input shapes/statics."""
@@ -419,16 +428,49 @@ def plan(
     """Plan `fun(*args)` without compiling and without the target devices.
 
     `args` may be `jax.ShapeDtypeStruct`s; `cluster_spec` may describe a cluster that is not here
-    (default: the current runtime's). The plan can `explain()` itself (it carries the traced
-    step, not serialised).
+    (default: the current runtime's). `autopar.explain` takes the same arguments and puts the
+    plan next to the classic layouts.
 
     Example::
 
         plan = autopar.plan(train_step, state_shapes, batch_shapes,
                             cluster_spec=autopar.ClusterSpec.preset("2x8xA100-80G"))
         print(plan.summary())
-        print(plan.explain())
     """
+    return plan_in_context(fun, args, method, cluster_spec, batch_argnums, static_argnums)[0]
+
+
+def explain(
+    fun: Callable,
+    *args: Any,
+    method: Any = None,
+    cluster_spec: ClusterSpec | None = None,
+    batch_argnums: Sequence[int] = (1,),
+    static_argnums: Sequence[int] = (),
+) -> Explanation:
+    """`autopar.plan(fun, *args, ...)` next to DP, ZeRO-2, ZeRO-3, Megatron and pipeline
+    baselines priced by the same cost model on the same devices, and the op groups that cost it
+    most (`planner.explain.Explanation`: `str()` of it is a table, `.chosen.plan` the plan).
+
+    Example::
+
+        print(autopar.explain(train_step, state_shapes, batch_shapes,
+                              cluster_spec=autopar.ClusterSpec.preset("2x8xA100-80G")))
+    """
+    made = plan_in_context(fun, args, method, cluster_spec, batch_argnums, static_argnums)
+    return explain_plan(*made)
+
+
+def plan_in_context(
+    fun: Callable,
+    args: Sequence[Any],
+    method: Any,
+    cluster_spec: ClusterSpec | None,
+    batch_argnums: Sequence[int],
+    static_argnums: Sequence[int],
+) -> tuple[Plan, PlanningContext]:
+    """`autopar.plan`'s plan and the context `planner.explain.explain_plan` needs beside it:
+    for tools that time planning and explaining apart (the CLI, the benchmarks)."""
     method = _check_method(method)
     cluster = cluster_spec if cluster_spec is not None else current_runtime().cluster_spec
     argnums = resolve_argnums(args, static_argnums, batch_argnums, "auto")
@@ -438,7 +480,7 @@ def plan(
     remat = functools.partial(trace_for_method, fun, abstract, method, argnums)
     traced, plan = _planned(traced, method, mesh, cluster, (), remat)
     retrace = functools.partial(_retrace, fun, abstract, argnums=argnums)
-    return _with_context(plan, traced, method, mesh, cluster, retrace)
+    return plan, _planning_context(plan, traced, method, mesh, cluster, retrace)
 
 
 def _retrace(

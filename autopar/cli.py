@@ -331,7 +331,8 @@ def plan_command(args: argparse.Namespace) -> int:
     check_batch(step_args, k, n)
     method = _method(args, cluster, k)
 
-    import autopar
+    from autopar.api import plan_in_context
+    from autopar.planner.explain import explain_plan
 
     what = args.target + (
         f" ({args.size or FAMILIES[args.target].default_size})" if args.target in FAMILIES else ""
@@ -346,13 +347,13 @@ def plan_command(args: argparse.Namespace) -> int:
         k,
     )
     start = time.perf_counter()
-    plan = autopar.plan(step, *step_args, method=method, cluster_spec=cluster)
+    plan, context = plan_in_context(step, step_args, method, cluster, (1,), ())
     logger.info("planned in %.1f s", time.perf_counter() - start)
     print(plan.summary())
     if args.explain:
         start = time.perf_counter()
         logger.info("pricing the baselines")
-        explanation = plan.explain()
+        explanation = explain_plan(plan, context)
         logger.info("baselines priced in %.1f s", time.perf_counter() - start)
         print()
         print(explanation)

@@ -29,7 +29,7 @@ from autopar.options import (
 )
 from autopar.plan_store import check_plan_fits, layer_option_of, read_plan_file
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError, check_positive_int
 from autopar.planner.explicit import ZeroStage, plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.pipeline import split_step
@@ -238,8 +238,12 @@ class PipeshardParallel(ParallelMethod):
         `ManualStageOption(...)`; or Alpa's strings "uniform" and "auto".
       pipeline_schedule: "1f1b" (at most n-i micro-batches in flight on stage i), "gpipe" (all
         in flight), "zero_bubble" (backward split into input and weight gradients, weight
-        gradients filling the bubble, 1F1B's micro-batches in flight) or "auto" (the stage
-        search plans each and keeps the fastest).
+        gradients filling the bubble, 1F1B's micro-batches in flight), "interleaved_1f1b"
+        (Megatron-LM's virtual stages: `num_virtual_stages` layer chunks on each of n equal
+        sub-meshes, a v-fold smaller bubble for more activations in flight and more
+        transfers; micro-batches a multiple of n) or "auto" (the stage search plans each and
+        keeps the fastest).
+      num_virtual_stages: v, the stages per sub-mesh under "interleaved_1f1b" (and "auto").
       auto_sharding_option: options of each stage's intra-op ILP.
     """
 
@@ -249,6 +253,7 @@ class PipeshardParallel(ParallelMethod):
     stage_option: StageOption = dataclasses.field(default_factory=UniformStageOption)
     pipeline_schedule: str = "1f1b"
     auto_sharding_option: AutoShardingOption = dataclasses.field(default_factory=AutoShardingOption)
+    num_virtual_stages: int = 2
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
@@ -280,6 +285,7 @@ class PipeshardParallel(ParallelMethod):
                 f"{self.pipeline_schedule!r}"
             )
         _check_mesh_rank("PipeshardParallel", self.devices)
+        check_positive_int("num_virtual_stages", self.num_virtual_stages)
 
     # regather_params stays False: layers must stay visible to differentiation, so no
     # whole-loss remat for FSDP.
@@ -318,6 +324,7 @@ class PipeshardParallel(ParallelMethod):
             schedules=self.schedules,
             stage_option=self.stage_option,
             intra=self.auto_sharding_option.to_config(),
+            num_virtual_stages=self.num_virtual_stages,
         )
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         if not self.profiles:

@@ -7,8 +7,8 @@ every logical mesh with the ILP, run the stage DP, and plan each chosen stage wi
 it costs Alpa's published plan for the same case with the same per-layer costs (layer split and
 unpublished logical meshes chosen as well as possible for it) and compares predicted step times.
 Last, with the same cached per-layer costs, the stage DP searches again under each pipeline
-schedule (1F1B, GPipe, zero bubble) and under "auto" (the fastest of them): the predicted step of
-each schedule's best plan.
+schedule (1F1B, GPipe, zero bubble, interleaved 1F1B with 2 virtual stages) and under "auto" (the
+fastest of them): the predicted step of each schedule's best plan.
 
     python benchmarks/pipeshard_planning.py [--cases 2.6B 6.7B 39B]
 
@@ -41,7 +41,12 @@ from autopar.planner.pipeline import split_step
 from autopar.planner.pipeshard import LayerCosts, PipelineConfig, plan_pipeshard
 from autopar.planner.schedules import AUTO_SCHEDULE, PipelineSchedule, candidate_schedules
 from autopar.planner.stage_options import LOGICAL_SPACES
-from autopar.planner.stages import logical_mesh_shapes, manual_stages, solve_stages
+from autopar.planner.stages import (
+    interleaved_stages,
+    logical_mesh_shapes,
+    manual_stages,
+    solve_stages,
+)
 
 logger = logging.getLogger("pipeshard_planning")
 
@@ -158,17 +163,14 @@ def _schedule_steps(
     could need them."""
     costs.config = dataclasses.replace(pipeline, schedules=candidate_schedules(AUTO_SCHEDULE))
     steps: dict[str, float | None] = {}
+    args = (layers, *cluster_shape, pipeline.num_micro_batches, costs, memory)
     for schedule in PipelineSchedule:
         try:
-            solution = solve_stages(
-                layers,
-                *cluster_shape,
-                pipeline.num_micro_batches,
-                costs,
-                memory,
-                pipeline.stage_option,
-                schedule=schedule,
-            )
+            if schedule.interleaves:
+                v = pipeline.num_virtual_stages
+                solution = interleaved_stages(*args, pipeline.stage_option, v)
+            else:
+                solution = solve_stages(*args, pipeline.stage_option, schedule=schedule)
             steps[schedule.value] = solution.step_latency_s
         except AutoparError:
             steps[schedule.value] = None
@@ -238,11 +240,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "The stage DP's best plan under each schedule, from the same per-layer costs (GPipe keeps "
         "every micro-batch in flight; zero bubble splits the backward into input and weight "
-        'gradients and fills the bubble with the latter, `planner.schedules`). "auto" is '
-        'what `pipeline_schedule="auto"` picks.',
+        "gradients and fills the bubble with the latter; interleaved 1F1B puts "
+        "num_virtual_stages=2 layer chunks on each of n equal sub-meshes, each within half a "
+        'device\'s memory, `planner.schedules`). "auto" is what `pipeline_schedule="auto"` '
+        "picks.",
         "",
-        "| case | 1F1B step s | GPipe step s | zero bubble step s | auto step s | auto / 1F1B |",
-        "|---|---|---|---|---|---|",
+        "| case | 1F1B step s | GPipe step s | zero bubble step s | interleaved 1F1B step s "
+        "| auto step s | auto / 1F1B | interleaved / 1F1B |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         steps = r.get("schedule_steps_s")
@@ -250,11 +255,14 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         cells = [
             "no plan" if steps[k] is None else f"{steps[k]:.3f}"
-            for k in ("1f1b", "gpipe", "zero_bubble", "auto")
+            for k in ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "auto")
         ]
-        base, auto = steps["1f1b"], steps["auto"]
-        gain = "–" if base is None or auto is None else f"{auto / base:.3f}"
-        lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {gain} |")
+        base = steps["1f1b"]
+        gains = [
+            "–" if base is None or steps[k] is None else f"{steps[k] / base:.3f}"
+            for k in ("auto", "interleaved_1f1b")
+        ]
+        lines.append(f"| {r['case']} | " + " | ".join(cells + gains) + " |")
     return "\n".join(lines) + "\n"
 
 

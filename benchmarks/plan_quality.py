@@ -2,7 +2,7 @@
 
 For Alpa's GPT models (seq 1024, vocab 51200; global batch 1024 in 128 micro-batches by default)
 on 8-GPU cluster presets, the unrestricted ILP plan is compared with four classic layouts, as
-`autopar.planner.baselines` defines and prices them (the library code `Plan.explain()` uses).
+`autopar.planner.baselines` defines and prices them (the library code `autopar.explain` uses).
 Each baseline is the same ILP with the storage spec of EVERY step input pinned
 (`IntraOpConfig.pinned_inputs`), so all are priced by the same cost model; the ILP still picks the
 strategies of the ops in between (it cannot do worse than the layout's natural strategies). A

@@ -6,7 +6,7 @@
 
 Part 1 plans each case from shapes alone (`autopar.plan` on `jax.ShapeDtypeStruct`s: nothing
 allocated, no device of the cluster needed) and prices the classic layouts next to the plan with
-`Plan.explain()`. A case is (family, size, devices, cluster preset). The sizes follow Alpa's
+`autopar.explain`. A case is (family, size, devices, cluster preset). The sizes follow Alpa's
 weak scaling, where the model grows with the device count, as in the `perf_test_suite`s of
 `benchmark/alpa/suite_auto_gpt.py`, `suite_auto_moe.py` and `suite_wresnet.py` in
 alpa-projects/alpa (p3.16xlarge), on the device counts of Alpa's end-to-end figures:
@@ -262,9 +262,10 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
     process killed while pricing baselines still leaves the plan."""
     import jax.numpy as jnp
 
-    import autopar
+    from autopar.api import plan_in_context
     from autopar.models import abstract_train_inputs
     from autopar.planner.errors import PlanningError
+    from autopar.planner.explain import explain_plan
     from autopar.planner.summary import bubble_fraction, throughput
 
     family, module = _family(case.family)
@@ -280,9 +281,8 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
     step, state, batch = abstract_train_inputs(module, config, case.global_batch)
     start = time.perf_counter()
     try:
-        plan = autopar.plan(
-            step, state, batch, method=_method(case.method, case, args), cluster_spec=cluster
-        )
+        method = _method(case.method, case, args)
+        plan, context = plan_in_context(step, (state, batch), method, cluster, (1,), ())
     except PlanningError as e:
         row.update(status="no plan", plan_s=time.perf_counter() - start, error=str(e))
         _write(out, row)
@@ -296,9 +296,8 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
         _write(out, row)
         start = time.perf_counter()
         try:
-            plan = autopar.plan(
-                step, state, batch, method=_method("pipeshard", case, args), cluster_spec=cluster
-            )
+            method = _method("pipeshard", case, args)
+            plan, context = plan_in_context(step, (state, batch), method, cluster, (1,), ())
         except PlanningError as e:
             row.update(status="no plan", plan_s=time.perf_counter() - start, error=str(e))
             _write(out, row)
@@ -316,7 +315,7 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
     )
     _write(out, row)
     start = time.perf_counter()
-    explanation = plan.explain()
+    explanation = explain_plan(plan, context)
     best = explanation.best_baseline
     row.update(
         status="ok",

@@ -46,7 +46,7 @@ def main() -> None:
     executable = train_step.get_executable(state, batch)
     print(executable.plan.summary(max_rows=12))
     print()
-    print(executable.plan.explain())
+    print(train_step.explain(state, batch))
     mem = executable.memory_stats()
     print(
         f"\nXLA memory per device: arguments {mem.argument_bytes / 2**20:.2f} MiB, "

@@ -1,10 +1,11 @@
 """Pipeline a GPT train step over 8 simulated CPU devices with PipeshardParallel.
 
-    python examples/pipeline_gpt.py [--stages 2|4] [--schedule 1f1b|gpipe|zero_bubble|auto]
-        [--auto-stages]
+    python examples/pipeline_gpt.py [--stages 2|4] [--auto-stages]
+        [--schedule 1f1b|gpipe|zero_bubble|interleaved_1f1b|auto]
 
 One layer per transformer block (`pipeline_boundaries=True` marks them), grouped into stages on
-disjoint sub-meshes; each stage is sharded by the ILP. Prints the plan, the schedule's clock
+disjoint sub-meshes (with interleaved_1f1b, --stages sub-meshes of two layer chunks each); each
+stage is sharded by the ILP. Prints the plan, the schedule's clock
 table and the loss of a few steps, and checks the parameters against the serial `jax.jit` step.
 """
 

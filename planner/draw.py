@@ -41,9 +41,10 @@ class Block:
 def pipeline_timeline(plan: Plan) -> tuple[Block, ...]:
     """The forward and backward tasks of one step of `plan`, timed (see the module docstring)."""
     latencies = stage_latencies(plan)
-    schedule = make_schedule(
-        plan.pipeline_schedule or "1f1b", len(latencies), plan.num_micro_batches
-    )
+    if plan.pipeline_schedule is None:
+        schedule = make_schedule("1f1b", len(latencies), plan.num_micro_batches)
+    else:
+        schedule = plan.pipeline_table()
     times = schedule.timed(lambda task: WORK_SHARE[task.kind] * latencies[task.stage])
     return tuple(
         Block(task.stage, task.kind, task.micro_batch, start, end)

@@ -1,15 +1,16 @@
-"""Plan.explain(): the chosen plan next to classic layouts, all priced by one cost model.
+"""`autopar.explain`: the chosen plan next to classic layouts, all priced by one cost model.
 
-`autopar.plan` and `train_step.get_plan` attach a `PlanningContext` to the plans they return
-(`Plan.context`: not serialised, not compared): the traced step, the cluster and the options it
-was planned with. `explain_plan` prices, under the same memory budget:
+A plan is data; what explaining it needs besides (the traced step, the cluster and the options it
+was planned with) is a `PlanningContext` that `autopar.explain` and `train_step.explain` keep
+beside the plan they made. `explain_plan` prices, under the same memory budget:
 
 * the single-mesh baselines of `planner.baselines` (DP, ZeRO-2, ZeRO-3, Megatron) on all of the
   plan's devices, each the ILP with every input's storage pinned, on the step as ShardParallel
   traces it;
 * plain pipelines: S uniform stages (equal layers on equal sub-meshes) with data parallelism
-  inside each stage, for S = the plan's stage count (pipelined plans) and S = the host count
-  (more than one host), with the plan's micro-batches and schedule.
+  inside each stage, for S = the plan's sub-mesh count (pipelined plans) and S = the host count
+  (more than one host), with the plan's micro-batches and schedule (interleaved: its chunks per
+  sub-mesh).
 
 The ILP can store every input as any single-mesh baseline does, so a ShardParallel plan is never
 predicted slower than the best of them that fits (up to the solver's gap and time limit, and
@@ -49,7 +50,7 @@ _ILP_METHODS = ("shard_parallel",)
 
 @dataclasses.dataclass(frozen=True)
 class PlanningContext:
-    """What `Plan.explain()` needs besides the plan's data: the step as traced for planning and
+    """What `explain_plan` needs besides the plan's data: the step as traced for planning and
     what it was planned for.
 
     `mesh` holds all the plan's devices as ShardParallel plans them (the baselines' mesh);
@@ -112,15 +113,6 @@ class Explanation:
         return _format(self)
 
 
-def _no_context_error() -> InvalidArgumentError:
-    return InvalidArgumentError(
-        "this plan has no planning context (plans read with Plan.from_json or from a plan "
-        "file carry only their data), so it cannot be compared with other layouts; get an "
-        "explainable plan from autopar.plan(fun, *args, method=..., cluster_spec=...) or "
-        "train_step.get_plan(*args), or run `autopar plan TARGET --cluster SPEC --explain`"
-    )
-
-
 def _unavailable(name: str, why: str) -> LayoutResult:
     return LayoutResult(name, LayoutStatus.UNAVAILABLE, message=why)
 
@@ -156,9 +148,11 @@ def price_pipeline(
     program: Program,
     ctx: PlanningContext,
     num_stages: int,
+    stages_per_mesh: int = 1,
 ) -> LayoutResult:
-    """`num_stages` uniform stages, data parallel inside each, priced by the pipeline planner;
-    when they do not fit, the memory per device they need (planned without a budget)."""
+    """`num_stages` uniform stages (sub-meshes, of `stages_per_mesh` chunks each when the
+    schedule interleaves), data parallel inside each, priced by the pipeline planner; when they
+    do not fit, the memory per device they need (planned without a budget)."""
     name = f"Pipeline {num_stages}xDP"
     intra = dataclasses.replace(_baseline_config(ctx.intra), force_data_parallel=True)
     config = PipelineConfig(
@@ -166,6 +160,7 @@ def price_pipeline(
         schedules=(ctx.schedule,),
         stage_option=UniformStageOption(num_stages=num_stages),
         intra=intra,
+        num_virtual_stages=stages_per_mesh,
     )
     try:
         plan = plan_pipeshard(parts, program, ctx.cluster, ctx.cluster_shape, config)
@@ -186,8 +181,9 @@ def price_pipeline(
 
 def _pipelines(ctx: PlanningContext, plan: Plan) -> tuple[list[LayoutResult], list[str]]:
     counts = set()
+    per_mesh = len(plan.stages) // plan.num_meshes
     if plan.pipeline_schedule is not None:
-        counts.add(len(plan.stages))
+        counts.add(plan.num_meshes)
     if ctx.cluster_shape[0] > 1:
         counts.add(ctx.cluster_shape[0])
     counts.discard(1)
@@ -198,11 +194,11 @@ def _pipelines(ctx: PlanningContext, plan: Plan) -> tuple[list[LayoutResult], li
     results = []
     for count in sorted(counts):
         try:
-            parts, program = ctx.layered(count)
+            parts, program = ctx.layered(count * per_mesh)
         except (PlanningError, InvalidArgumentError) as e:
             results.append(_unavailable(f"Pipeline {count}xDP", str(e)))
             continue
-        results.append(price_pipeline(parts, program, ctx, count))
+        results.append(price_pipeline(parts, program, ctx, count, per_mesh))
     return results, []
 
 
@@ -257,11 +253,9 @@ def _time_limit_notes(layouts: list[LayoutResult]) -> list[str]:
     ]
 
 
-def explain_plan(plan: Plan) -> Explanation:
-    """`plan` next to the baselines (see the module docstring); needs `plan.context`."""
-    ctx = plan.context
-    if not isinstance(ctx, PlanningContext):
-        raise _no_context_error()
+def explain_plan(plan: Plan, ctx: PlanningContext) -> Explanation:
+    """`plan` next to the baselines (see the module docstring), from the context it was planned
+    in."""
     program = ctx.program if ctx.single_mesh_program is None else ctx.single_mesh_program()
     baselines = _single_mesh(ctx, program)
     pipelines, notes = _pipelines(ctx, plan)

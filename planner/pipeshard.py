@@ -60,6 +60,7 @@ from autopar.planner.stages import (
     StageCost,
     StageSolution,
     forces_batch_dim,
+    interleaved_stages,
     logical_mesh_shapes,
     manual_stages,
     place_submeshes,
@@ -184,11 +185,19 @@ class PipelineConfig:
     schedules: tuple[PipelineSchedule, ...]  # the schedule to run, or those "auto" picks among
     stage_option: object  # AutoStageOption | UniformStageOption | ManualStageOption
     intra: IntraOpConfig
+    num_virtual_stages: int = 2  # stages per mesh under interleaved 1F1B
 
     def most_in_flight(self, stages_after: int) -> int:
         """The most micro-batches a stage with `stages_after` stages after it may hold."""
         k = self.num_micro_batches
         return max(schedule.in_flight(stages_after, k) for schedule in self.schedules)
+
+    @property
+    def least_memory_share(self) -> float:
+        """The least share of a device's memory a stage may get: 1/v where a schedule puts v
+        stages on each mesh, else all of it."""
+        interleaves = any(schedule.interleaves for schedule in self.schedules)
+        return 1 / self.num_virtual_stages if interleaves else 1.0
 
 
 @dataclasses.dataclass
@@ -375,7 +384,7 @@ class LayerCosts:
         # even at its fastest, a plan with this stage would be no better than the bound (every
         # schedule's step is at least B times its slowest stage):
         hopeless = self.config.num_micro_batches * fastest.latency_s >= self.step_bound_s
-        return need > self.device_memory and not hopeless
+        return need > self.device_memory * self.config.least_memory_share and not hopeless
 
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
@@ -408,6 +417,14 @@ def _solve(
     """The stages of the option's kind (DP, uniform or manual) under `schedule`."""
     args = (num_layers, *cluster_shape, config.num_micro_batches, cost_fn, device_memory)
     option = config.stage_option
+    if schedule.interleaves:
+        if isinstance(option, ManualStageOption):
+            raise PlanningError(
+                "pipeline_schedule='interleaved_1f1b' lays its stages out itself (equal "
+                "sub-meshes, num_virtual_stages chunks each): use AutoStageOption or "
+                "UniformStageOption, not ManualStageOption"
+            )
+        return interleaved_stages(*args, option, config.num_virtual_stages)
     if isinstance(option, ManualStageOption):
         return manual_stages(*args, option, schedule)
     if isinstance(option, UniformStageOption):
@@ -534,15 +551,17 @@ def plan_pipeshard(
     dp_seconds = time.perf_counter() - start_time
     ranges = [a.layers for a in solution.stages]
     placement = place_stages(parts, ranges)
-    devices = place_submeshes([a.submesh for a in solution.stages], *cluster_shape)
+    meshes, per_mesh = solution.num_meshes, solution.stages_per_mesh
+    devices = place_submeshes([a.submesh for a in solution.stages[:meshes]], *cluster_shape)
     k = config.num_micro_batches
+    in_flight = schedule.stage_in_flight(len(ranges), k, meshes)
     chosen = []  # per stage: (its program, mesh, plan key)
     # Identical stages on equal meshes with as many micro-batches in flight are planned once.
     jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, int]] = {}
     for s, assignment in enumerate(solution.stages):
         stage = stage_program(parts, placement, s, program.signature)
-        mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s]))
-        flight = schedule.in_flight(len(ranges) - 1 - s, k)
+        mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s % meshes]))
+        flight = in_flight[s]
         key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, flight)
         chosen.append((stage, mesh, key))
         if key not in jobs:
@@ -550,8 +569,8 @@ def plan_pipeshard(
             jobs[key] = (stage, mesh, intra, flight)
 
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        plan_jobs = functools.partial(
-            _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory
+        plan_jobs = functools.partial(  # the stages on a mesh share its memory
+            _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory / per_mesh
         )
         solved = pool.map(plan_jobs, jobs.values())
         solved = progress(solved, desc="stage plans (ILP)", total=len(jobs), unit="stage")
@@ -578,7 +597,8 @@ def plan_pipeshard(
             comm_bytes + p.communication_bytes,
             flops + p.flops,
         )
-    step = schedule.step_time(latencies, k)
+    step = schedule.step_time(latencies, k, meshes)
+    mesh_peaks = [sum(peaks[i::meshes]) for i in range(meshes)]
     elapsed = time.perf_counter() - start_time
     shapes = ", ".join(
         f"layers [{a.layers[0]},{a.layers[1]}) on {a.submesh} as {a.logical_mesh}"
@@ -601,7 +621,7 @@ def plan_pipeshard(
             step_time_s=step,
             compute_s=compute,
             communication_s=comm,
-            memory_per_device_bytes=max(peaks),
+            memory_per_device_bytes=max(mesh_peaks),
             communication_bytes=comm_bytes,
             flops=flops,
         ),

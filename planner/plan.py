@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.planner.cluster import ClusterSpec
+from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.schedules import Schedule, make_schedule
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
@@ -191,17 +193,27 @@ class Plan:
     pipeline_schedule: str | None = None  # a `PipelineSchedule` value for pipelined plans
     # How the step was traced for this plan; filled in by `autopar.api` (None: not recorded).
     tracing: TracingRecord | None = None
-    # What `explain()` needs besides this data (the traced step, the cluster, the options): a
-    # `planner.explain.PlanningContext` attached by `autopar.plan` / `get_plan`. Never
-    # serialised and not part of equality: a plan read from JSON has none.
-    context: Any = dataclasses.field(
-        default=None, compare=False, repr=False, metadata={"json": False}
-    )
 
     @property
     def num_devices(self) -> int:
         """Devices the plan runs on (over all stages)."""
         return len({i for stage in self.stages for i in stage.mesh.device_indices})
+
+    @property
+    def num_meshes(self) -> int:
+        """Sub-meshes the stages run on: fewer than the stages where several share one
+        (interleaved 1F1B's virtual stages: stage s on the mesh of stage s mod num_meshes)."""
+        return len({stage.mesh.device_indices for stage in self.stages})
+
+    def pipeline_table(self) -> Schedule:
+        """The clock table a pipelined plan runs (InvalidArgumentError for other plans)."""
+        if self.pipeline_schedule is None:
+            raise InvalidArgumentError(
+                f"a {self.method} plan has no pipeline schedule; only pipeshard plans do"
+            )
+        return make_schedule(
+            self.pipeline_schedule, len(self.stages), self.num_micro_batches, self.num_meshes
+        )
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (never pickle); `Plan.from_json` reads it back to an equal plan."""
@@ -228,15 +240,6 @@ class Plan:
 
         return plan_summary(self, max_rows=max_rows)
 
-    def explain(self) -> Any:
-        """This plan next to DP, ZeRO-2, ZeRO-3, Megatron and pipeline baselines priced by the
-        same cost model, and the op groups that cost it most (`planner.explain.Explanation`;
-        `str()` of it is a table). Needs the planning context that `autopar.plan` and
-        `get_plan` attach; a plan read from JSON has none and raises `InvalidArgumentError`."""
-        from autopar.planner.explain import explain_plan
-
-        return explain_plan(self)
-
     def draw(self, path: str | os.PathLike[str]) -> None:
         """Write a PNG (matplotlib, Agg): the device grid coloured by stage and the pipeline
         schedule as a stage x time timeline with its predicted bubble fraction."""
@@ -247,11 +250,7 @@ class Plan:
 
 def _to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {
-            f.name: _to_jsonable(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if f.metadata.get("json", True)
-        }
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):

@@ -1,11 +1,13 @@
 """Pipeline schedules: explicit clock tables that every executor iterates, and what the planner
 asks of a schedule before any table exists (micro-batches in flight, step time).
 
-A pipelined step has n stages on n meshes (forward stage i and its backward both run on mesh i)
-and m micro-batches. A schedule is one task order per mesh; its table is the synchronous simulation
-of those orders: every task takes one clock, and at each clock each mesh runs its next task if all
-of the task's dependencies ran at earlier clocks, else it idles. After the compute clocks comes one
-clock in which every mesh applies its accumulated gradients.
+A pipelined step has S stages on n meshes and m micro-batches; stage s (its forward and its
+backward) runs on mesh s mod n. Without virtual stages S = n; interleaved 1F1B puts v = S/n
+stages on every mesh (Megatron-LM's virtual stages: mesh i holds layer chunks i, i+n, ...). A
+schedule is one task order per mesh; its table is the synchronous simulation of those orders:
+every task takes one clock, and at each clock each mesh runs its next task if all of the task's
+dependencies ran at earlier clocks, else it idles. After the compute clocks come v clocks in which
+every mesh applies the accumulated gradients of its stages.
 
 GPipe and 1F1B take 2(n+m-1) compute clocks (REFERENCE.md "Schedules"): GPipe keeps all m
 micro-batches in flight on every mesh, 1F1B (PipeDream-flush) at most n-i on mesh i. Zero bubble
@@ -13,13 +15,17 @@ micro-batches in flight on every mesh, 1F1B (PipeDream-flush) at most n-i on mes
 stage's inputs (B, on the critical path) and with respect to its parameters (W, deferrable); W
 tasks fill the clocks where 1F1B idles. With F, B and W one clock each it takes 3m + 2(n-1)
 clocks against 1F1B's 3(m+n-1) with the backward as one task of two clocks, and keeps 1F1B's
-micro-batches in flight (counted until their W).
+micro-batches in flight (counted until their W). Interleaved 1F1B (Megatron-LM, arXiv
+2104.04473) runs each mesh's v chunks in turn, n micro-batches at a time: the fill and drain
+pass through chunks of 1/v of a mesh's layers, so the bubble shrinks v-fold, for more
+activations in flight: a mesh's first chunk holds up to 2n micro-batches (`stage_in_flight`).
 
-The planner prices a schedule by `PipelineSchedule.step_time`: c·Σ t + (m−c)·max t over the
-stages' latencies t (forward and backward of one micro-batch), where c is the share of the
-pipeline fill and drain the schedule leaves idle: 1 for GPipe and 1F1B (Alpa's Σ t + (m−1)·max t),
-2/3 for zero bubble (its W third of the backward work fills the rest). Exact for equal stages
-whose forward, B and W parts take a third of t each.
+The planner prices a schedule by `PipelineSchedule.step_time`: c·Σ t + (m−c)·max T over the
+stages' latencies t (forward and backward of one micro-batch) and the meshes' loads T (the sum of
+the t of a mesh's stages), where c is the share of one pass through the stages the schedule
+leaves idle: 1 for GPipe and 1F1B (Alpa's Σ t + (m−1)·max t), 2/3 for zero bubble (its W third of
+the backward work fills the rest), 1/v for interleaved 1F1B. Exact for equal stages whose
+forward, B and W parts take a third of t each.
 
 >>> print(make_schedule("1f1b", 2, 3).to_text())
 1f1b: 2 stages, 3 micro-batches, 8 compute clocks + 1 apply clock
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable, Sequence
 
 from autopar.planner.errors import InvalidArgumentError, check_positive_int
@@ -61,7 +68,8 @@ WORK_SHARE = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Task:
-    """One clock of work on mesh `stage`; APPLY has no micro-batch, the others need one."""
+    """One clock of work of stage `stage` (on its mesh); APPLY has no micro-batch, the others
+    need one."""
 
     kind: TaskKind
     stage: int
@@ -122,17 +130,21 @@ _LETTERS = {
 }
 
 
-def _cell(task: Task | None) -> str:
+def _cell(task: Task | None, num_meshes: int, num_stages: int) -> str:
+    """F3, B3, W3, A; with virtual stages the chunk as a letter (F3a: micro-batch 3 through the
+    mesh's first chunk)."""
     if task is None:
         return "."
+    chunk = chr(ord("a") + task.stage // num_meshes) if num_stages > num_meshes else ""
     if task.kind is TaskKind.APPLY:
-        return "A"
-    return f"{_LETTERS[task.kind]}{task.micro_batch}"
+        return f"A{chunk}"
+    return f"{_LETTERS[task.kind]}{task.micro_batch}{chunk}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """`clocks[t][mesh]` is the task mesh runs at clock t (None: idle); the last clock applies."""
+    """`clocks[t][mesh]` is the task mesh runs at clock t (None: idle); the last clocks apply,
+    one per stage on a mesh. Stage s runs on mesh s mod num_meshes."""
 
     name: str
     num_stages: int
@@ -141,14 +153,27 @@ class Schedule:
     split_backward: bool = False  # backward as B and W tasks (zero bubble)
 
     @property
+    def num_meshes(self) -> int:
+        """Meshes the stages run on: a row's width."""
+        return len(self.clocks[0])
+
+    @property
+    def stages_per_mesh(self) -> int:
+        """v: 1, or the virtual stages of an interleaved schedule."""
+        return self.num_stages // self.num_meshes
+
+    @property
     def num_compute_clocks(self) -> int:
-        """Clocks of forward and backward work, i.e. all but the apply clock."""
-        return len(self.clocks) - 1
+        """Clocks of forward and backward work, i.e. all but the apply clocks."""
+        return len(self.clocks) - self.stages_per_mesh
+
+    def mesh_of(self, stage: int) -> int:
+        return stage % self.num_meshes
 
     def _check_mesh(self, mesh: int) -> None:
-        if not 0 <= mesh < self.num_stages:
+        if not 0 <= mesh < self.num_meshes:
             raise InvalidArgumentError(
-                f"mesh={mesh} is out of range for a schedule of {self.num_stages} stages"
+                f"mesh={mesh} is out of range for a schedule on {self.num_meshes} meshes"
             )
 
     def tasks_of_mesh(self, mesh: int) -> list[Task]:
@@ -156,11 +181,17 @@ class Schedule:
         self._check_mesh(mesh)
         return [row[mesh] for row in self.clocks if row[mesh] is not None]
 
-    def max_in_flight(self, mesh: int) -> int:
-        """Most micro-batches forwarded but whose parameter gradients are not yet computed on
-        mesh (their activations' memory)."""
+    def max_in_flight(self, stage: int) -> int:
+        """Most micro-batches forwarded through `stage` whose parameter gradients it has not yet
+        computed (their activations' memory)."""
+        if not 0 <= stage < self.num_stages:
+            raise InvalidArgumentError(
+                f"stage={stage} is out of range for a schedule of {self.num_stages} stages"
+            )
         in_flight = peak = 0
-        for task in self.tasks_of_mesh(mesh):
+        for task in self.tasks_of_mesh(self.mesh_of(stage)):
+            if task.stage != stage:
+                continue
             if task.kind is TaskKind.FORWARD:
                 in_flight += 1
                 peak = max(peak, in_flight)
@@ -177,33 +208,42 @@ class Schedule:
         table's order on its mesh, starting when the mesh is free and its dependencies have
         ended (transfers take no time)."""
         times: dict[Task, tuple[float, float]] = {}
-        free = [0.0] * self.num_stages
+        free = [0.0] * self.num_meshes
         for row in self.clocks:
-            for task in row:
+            for mesh, task in enumerate(row):
                 if task is None or task.kind is TaskKind.APPLY:
                     continue
                 ready = max((times[dep][1] for dep in self.dependencies(task)), default=0.0)
-                start = max(free[task.stage], ready)
-                free[task.stage] = start + duration(task)
-                times[task] = (start, free[task.stage])
+                start = max(free[mesh], ready)
+                free[mesh] = start + duration(task)
+                times[task] = (start, free[mesh])
         return times
 
     def validate(self) -> None:
         """Raise ValueError unless every task runs once, on its own mesh, after its dependencies."""
-        n, m = self.num_stages, self.num_micro_batches
-        if not self.clocks or self.clocks[-1] != tuple(
-            Task(TaskKind.APPLY, i, None) for i in range(n)
-        ):
-            raise ValueError(f"{self.name}: the last clock must be apply(stage=i) on every mesh i")
+        n, m, meshes = self.num_stages, self.num_micro_batches, self.num_meshes
+        if n % meshes:
+            raise ValueError(f"{self.name}: {n} stages do not divide evenly over {meshes} meshes")
+        applies = tuple(
+            tuple(Task(TaskKind.APPLY, r * meshes + i, None) for i in range(meshes))
+            for r in range(n // meshes)
+        )
+        if self.clocks[len(self.clocks) - len(applies) :] != applies:
+            raise ValueError(
+                f"{self.name}: the last {len(applies)} clock(s) must apply every stage, stage s "
+                f"on mesh s mod {meshes}"
+            )
         expected = _all_tasks(n, m, self.split_backward)
         clock_of: dict[Task, int] = {}
         for clock, row in enumerate(self.clocks):
-            if len(row) != n:
-                raise ValueError(f"{self.name}: clock {clock} has {len(row)} meshes, expected {n}")
+            if len(row) != meshes:
+                raise ValueError(
+                    f"{self.name}: clock {clock} has {len(row)} meshes, expected {meshes}"
+                )
             for mesh, task in enumerate(row):
                 if task is None:
                     continue
-                if task.stage != mesh:
+                if self.mesh_of(task.stage) != mesh:
                     raise ValueError(f"{self.name}: {task} runs on mesh {mesh} at clock {clock}")
                 if task not in expected:
                     raise ValueError(
@@ -232,36 +272,44 @@ class Schedule:
         Lines stay within `max_width` characters by eliding middle clocks as "...", but always
         show at least the first clock, the last compute clock and the apply clock.
         """
-        cell_width = max(len(_cell(task)) for row in self.clocks for task in row)
-        label_width = len(f"mesh {self.num_stages - 1}: ")
+        cells = [[_cell(t, self.num_meshes, self.num_stages) for t in row] for row in self.clocks]
+        cell_width = max(len(cell) for row in cells for cell in row)
+        label_width = len(f"mesh {self.num_meshes - 1}: ")
         fits = max(4, (max_width - label_width) // (cell_width + 1))
         columns: list[int | None] = list(range(len(self.clocks)))
         if len(columns) > fits:
             head = (fits - 1) // 2
             columns = [*columns[:head], None, *columns[head + 1 - fits :]]
+        on = "" if self.num_meshes == self.num_stages else f" on {self.num_meshes} meshes"
+        applies = self.stages_per_mesh
         lines = [
-            f"{self.name}: {self.num_stages} stages, {self.num_micro_batches} micro-batches, "
-            f"{self.num_compute_clocks} compute clocks + 1 apply clock"
+            f"{self.name}: {self.num_stages} stages{on}, {self.num_micro_batches} micro-batches, "
+            f"{self.num_compute_clocks} compute clocks + {applies} apply clock"
+            + ("s" if applies > 1 else "")
         ]
-        for mesh in range(self.num_stages):
-            cells = [
-                "..." if t is None else _cell(self.clocks[t][mesh]).ljust(cell_width)
-                for t in columns
-            ]
-            lines.append(f"mesh {mesh}: ".ljust(label_width) + " ".join(cells).rstrip())
+        for mesh in range(self.num_meshes):
+            row = ["..." if t is None else cells[t][mesh].ljust(cell_width) for t in columns]
+            lines.append(f"mesh {mesh}: ".ljust(label_width) + " ".join(row).rstrip())
         return "\n".join(lines)
 
 
-def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: int) -> Schedule:
-    """The clock table of per-mesh task orders, each task running as early as its order allows."""
-    num_stages = len(orders)
+def _simulate(
+    name: str,
+    orders: Sequence[Sequence[Task]],
+    num_micro_batches: int,
+    num_stages: int | None = None,
+) -> Schedule:
+    """The clock table of per-mesh task orders, each task running as early as its order allows
+    (`num_stages`: more than the meshes with virtual stages)."""
+    num_meshes = len(orders)
+    num_stages = num_stages or num_meshes
     split = any(t.kind is TaskKind.BACKWARD_INPUT for order in orders for t in order)
     clock_of: dict[Task, int] = {}
-    position = [0] * num_stages
+    position = [0] * num_meshes
     clocks: list[tuple[Task | None, ...]] = []
     while any(p < len(order) for p, order in zip(position, orders, strict=True)):
         clock = len(clocks)
-        row: list[Task | None] = [None] * num_stages
+        row: list[Task | None] = [None] * num_meshes
         for mesh, order in enumerate(orders):
             if position[mesh] == len(order):
                 continue
@@ -277,7 +325,10 @@ def _simulate(name: str, orders: Sequence[Sequence[Task]], num_micro_batches: in
                 clock_of[task] = clock
                 position[mesh] += 1
         clocks.append(tuple(row))
-    clocks.append(tuple(Task(TaskKind.APPLY, i, None) for i in range(num_stages)))
+    for r in range(num_stages // num_meshes):
+        clocks.append(
+            tuple(Task(TaskKind.APPLY, r * num_meshes + i, None) for i in range(num_meshes))
+        )
     schedule = Schedule(name, num_stages, num_micro_batches, tuple(clocks), split)
     schedule.validate()
     return schedule
@@ -335,6 +386,31 @@ def _zero_bubble_orders(num_stages: int, num_micro_batches: int) -> list[list[Ta
     return orders
 
 
+def _interleaved_order(
+    mesh: int, num_meshes: int, stages_per_mesh: int, num_micro_batches: int
+) -> list[Task]:
+    """Megatron-LM's interleaved 1F1B order on one mesh: forwards go through the mesh's chunks
+    n micro-batches at a time (chunk c's stage is c·n + mesh), backwards through them in reverse;
+    (n−mesh−1)·2 + (v−1)·n warm-up forwards (1F1B's n−mesh−1 for v = 1), then one forward and
+    one backward in turn."""
+    n, v, m = num_meshes, stages_per_mesh, num_micro_batches
+
+    def task(kind: TaskKind, k: int) -> Task:
+        chunk = (k % (n * v)) // n
+        if kind is TaskKind.BACKWARD:
+            chunk = v - 1 - chunk
+        return Task(kind, chunk * n + mesh, (k // (n * v)) * n + k % n)
+
+    total = m * v
+    warmup = n - mesh - 1 if v == 1 else (n - mesh - 1) * 2 + (v - 1) * n  # v = 1: 1F1B
+    warmup = min(warmup, total)
+    order = [task(TaskKind.FORWARD, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [task(TaskKind.FORWARD, warmup + k), task(TaskKind.BACKWARD, k)]
+    order += [task(TaskKind.BACKWARD, k) for k in range(total - warmup, total)]
+    return order
+
+
 def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
     """All forwards as a wavefront, then all backwards from the last stage: simple, m in flight.
 
@@ -368,12 +444,37 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
     return _simulate("zero_bubble", _zero_bubble_orders(n, m), m)
 
 
+def interleaved_one_f_one_b(num_stages: int, num_micro_batches: int, num_meshes: int) -> Schedule:
+    """Virtual stages: v = num_stages / num_meshes chunks per mesh, stage s on mesh s mod n.
+
+    2·m·v + 2(n−1) compute clocks against 1F1B's 2(m + n − 1) clocks of v times the work each:
+    the bubble is v times smaller. Needs m a multiple of n (micro-batches go through the chunks
+    n at a time), as Megatron-LM does.
+    """
+    s = check_positive_int("num_stages", num_stages)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
+    n = check_positive_int("num_meshes", num_meshes)
+    if s % n:
+        raise InvalidArgumentError(
+            f"interleaved 1F1B puts the same number of stages on every mesh: num_stages={s} "
+            f"is not a multiple of num_meshes={n}"
+        )
+    if m % n:
+        raise InvalidArgumentError(
+            f"interleaved 1F1B runs micro-batches through the chunks {n} at a time: "
+            f"num_micro_batches={m} must be a multiple of the {n} meshes"
+        )
+    orders = [_interleaved_order(i, n, s // n, m) for i in range(n)]
+    return _simulate("interleaved_1f1b", orders, m, s)
+
+
 class PipelineSchedule(enum.Enum):
     """The schedules a pipeline runs, and what the planner asks of one (module docstring)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     ZERO_BUBBLE = "zero_bubble"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
 
     @classmethod
     def parse(cls, name: object) -> PipelineSchedule:
@@ -385,8 +486,27 @@ class PipelineSchedule(enum.Enum):
                 return schedule
         raise InvalidArgumentError(f"schedule name={name!r} is unknown; choose one of {SCHEDULES}")
 
-    def table(self, num_stages: int, num_micro_batches: int) -> Schedule:
-        """The validated clock table for n stages and m micro-batches."""
+    @property
+    def interleaves(self) -> bool:
+        """Whether several stages share a mesh (virtual stages)."""
+        return self is PipelineSchedule.INTERLEAVED_1F1B
+
+    def table(
+        self, num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+    ) -> Schedule:
+        """The validated clock table for n stages and m micro-batches (on `num_meshes` meshes:
+        interleaved schedules only, which need it)."""
+        if self.interleaves:
+            if num_meshes is None:
+                raise InvalidArgumentError(
+                    f"{self.value} needs num_meshes: the meshes its {num_stages} stages share"
+                )
+            return interleaved_one_f_one_b(num_stages, num_micro_batches, num_meshes)
+        if num_meshes not in (None, num_stages):
+            raise InvalidArgumentError(
+                f"{self.value} runs one stage per mesh: num_meshes={num_meshes} for "
+                f"{num_stages} stages; use pipeline_schedule='interleaved_1f1b' to share meshes"
+            )
         builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}[self.value]
         return builder(num_stages, num_micro_batches)
 
@@ -396,20 +516,47 @@ class PipelineSchedule(enum.Enum):
 
     def in_flight(self, stages_after: int, num_micro_batches: int) -> int:
         """Micro-batches whose activations a stage with `stages_after` stages after it holds at
-        once: what its table's `max_in_flight` says, without the table."""
+        once: what its table's `max_in_flight` says, without the table. For interleaved 1F1B,
+        whose count depends on the mesh too (`stage_in_flight`), a bound: twice 1F1B's."""
         if self is PipelineSchedule.GPIPE:
             return num_micro_batches
+        if self.interleaves:
+            return min(2 * (stages_after + 1), num_micro_batches)
         return min(stages_after + 1, num_micro_batches)
+
+    def stage_in_flight(
+        self, num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+    ) -> tuple[int, ...]:
+        """Per stage, the micro-batches in flight (its table's `max_in_flight`)."""
+        if self.interleaves:
+            return _table_in_flight(self, num_stages, num_micro_batches, num_meshes)
+        return tuple(
+            self.in_flight(num_stages - 1 - s, num_micro_batches) for s in range(num_stages)
+        )
 
     @property
     def bubble_share(self) -> float:
-        """c in `step_time`: the part of one pass through every stage left idle."""
+        """c in `step_time` (without virtual stages): the part of one pass through every stage
+        left idle."""
         return 2 / 3 if self is PipelineSchedule.ZERO_BUBBLE else 1.0
 
-    def step_time(self, latencies: Sequence[float], num_micro_batches: int) -> float:
-        """Step time of stages taking `latencies` each per micro-batch: c·Σ t + (m − c)·max t."""
-        c = self.bubble_share
-        return c * sum(latencies) + (num_micro_batches - c) * max(latencies)
+    def step_time(
+        self, latencies: Sequence[float], num_micro_batches: int, num_meshes: int | None = None
+    ) -> float:
+        """Step time of stages taking `latencies` each per micro-batch, stage s on mesh s mod n:
+        c·Σ t + (m − c)·max T, T a mesh's load, c the bubble share over v stages per mesh."""
+        n = num_meshes or len(latencies)
+        c = self.bubble_share * n / len(latencies)
+        loads = [sum(latencies[i::n]) for i in range(n)]
+        return c * sum(latencies) + (num_micro_batches - c) * max(loads)
+
+
+@functools.lru_cache(maxsize=64)
+def _table_in_flight(
+    schedule: PipelineSchedule, num_stages: int, num_micro_batches: int, num_meshes: int | None
+) -> tuple[int, ...]:
+    table = schedule.table(num_stages, num_micro_batches, num_meshes)
+    return tuple(table.max_in_flight(s) for s in range(num_stages))
 
 
 SCHEDULES = tuple(s.value for s in PipelineSchedule)
@@ -418,12 +565,20 @@ AUTO_SCHEDULE = "auto"
 
 def candidate_schedules(name: str) -> tuple[PipelineSchedule, ...]:
     """The schedule called `name`, or for "auto" every schedule, in order of preference on ties
-    (1F1B holds the least; zero bubble splits the backward; GPipe holds every micro-batch)."""
+    (1F1B holds the least; zero bubble splits the backward; GPipe holds every micro-batch;
+    interleaving needs equal meshes and more transfers)."""
     if name == AUTO_SCHEDULE:
-        return (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.GPIPE)
+        return (
+            PipelineSchedule.ONE_F_ONE_B,
+            PipelineSchedule.ZERO_BUBBLE,
+            PipelineSchedule.GPIPE,
+            PipelineSchedule.INTERLEAVED_1F1B,
+        )
     return (PipelineSchedule.parse(name),)
 
 
-def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> Schedule:
+def make_schedule(
+    name: str, num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+) -> Schedule:
     """The clock table of the schedule called `name` (one of SCHEDULES)."""
-    return PipelineSchedule.parse(name).table(num_stages, num_micro_batches)
+    return PipelineSchedule.parse(name).table(num_stages, num_micro_batches, num_meshes)

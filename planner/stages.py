@@ -16,6 +16,7 @@ all B).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -77,10 +78,16 @@ class StageAssignment:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageSolution:
-    """Stages in pipeline order and the step time their schedule predicts."""
+    """Stages in pipeline order and the step time their schedule predicts; with virtual stages
+    (interleaved 1F1B) stage s shares the sub-mesh of stage s mod (stages / stages_per_mesh)."""
 
     stages: tuple[StageAssignment, ...]
     step_latency_s: float
+    stages_per_mesh: int = 1
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.stages) // self.stages_per_mesh
 
 
 def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
@@ -193,6 +200,7 @@ class Pipelining:
 
     num_micro_batches: int
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    stages_per_mesh: int = 1  # v: interleaved 1F1B's virtual stages
 
     def memory_need(self, cost: StageCost, stages_after: int) -> float:
         """Per-device bytes: static state plus the micro-batches of activations in flight."""
@@ -200,7 +208,8 @@ class Pipelining:
         return cost.static_memory_bytes + flight * cost.activation_memory_bytes
 
     def step(self, latencies: Sequence[float]) -> float:
-        return self.schedule.step_time(latencies, self.num_micro_batches)
+        meshes = len(latencies) // self.stages_per_mesh
+        return self.schedule.step_time(latencies, self.num_micro_batches, meshes)
 
 
 def _describe(solution: StageSolution) -> str:
@@ -346,6 +355,142 @@ def manual_stages(
         Pipelining(num_micro_batches, schedule),
         cost_fn,
         device_memory,
+    )
+
+
+def interleaved_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost_fn: CostFn,
+    device_memory: float,
+    option: AutoStageOption | UniformStageOption,
+    stages_per_mesh: int,
+) -> StageSolution:
+    """Interleaved 1F1B's stages: n equal sub-meshes, each holding v = `stages_per_mesh` chunks
+    of contiguous layers (stage s on sub-mesh s mod n), as Megatron-LM lays them out.
+
+    For each n the cluster splits into and dividing the micro-batches, and each logical mesh of
+    that sub-mesh, the n·v layer ranges that minimise the slowest stage (a min-max DP over
+    contiguous ranges), each stage taking its fastest alternative that fits 1/v of device
+    memory with the micro-batches in flight the table keeps for it; the plan with the least
+    `PipelineSchedule.step_time` wins. UniformStageOption(num_stages=n) fixes n meshes and
+    gives the n·v stages equal layer counts.
+    """
+    _check_common(num_layers, num_hosts, devices_per_host, num_micro_batches, device_memory)
+    v = check_positive_int("num_virtual_stages", stages_per_mesh)
+    pipe = Pipelining(num_micro_batches, PipelineSchedule.INTERLEAVED_1F1B, v)
+    uniform = isinstance(option, UniformStageOption)
+    if uniform:
+        meshes = option.num_stages or max(1, num_layers // v)
+        submeshes = [_even_submesh(num_hosts, devices_per_host, meshes)]
+        logicals = {submeshes[0]: [option.submesh_logical_shape or submeshes[0]]}
+    else:
+        total = num_hosts * devices_per_host
+        submeshes = [
+            shape
+            for shape in submesh_shapes(
+                num_hosts, devices_per_host, option.submesh_physical_shape_space
+            )
+            if total % (shape[0] * shape[1]) == 0 and shape[0] * shape[1] < total
+        ]
+        logicals = {
+            shape: logical_mesh_shapes(shape, option.submesh_logical_shape_space, devices_per_host)
+            for shape in submeshes
+        }
+    found: list[StageSolution] = []
+    tried = []
+    for submesh in submeshes:
+        n = num_hosts * devices_per_host // (submesh[0] * submesh[1])
+        if n * v > num_layers or num_micro_batches % n:
+            tried.append(f"{n} meshes of {submesh}")
+            continue
+        in_flight = pipe.schedule.stage_in_flight(n * v, num_micro_batches, n)
+        for logical in logicals[submesh]:
+            stages = _balanced_ranges(
+                num_layers,
+                _even_ranges(num_layers, n * v) if uniform else n * v,
+                submesh,
+                logical,
+                cost_fn,
+                device_memory / v,
+                in_flight,
+            )
+            if stages is not None:
+                latencies = [a.cost.latency_s for a in stages]
+                found.append(StageSolution(stages, pipe.step(latencies), v))
+    if not found:
+        raise PlanningError(
+            f"interleaved 1F1B with num_virtual_stages={v} has no plan for {num_layers} layers "
+            f"on {num_hosts}x{devices_per_host} devices with {num_micro_batches} micro-batches "
+            f"and {format_bytes(device_memory)} per device (each of the v stages on a mesh gets "
+            f"1/v of it){'; skipped: ' + ', '.join(tried) if tried else ''}: it needs n·v <= "
+            "layers, micro-batches a multiple of the n meshes, and stages that fit; use more "
+            "layers (AutoLayerOption(layer_num=...)), fewer virtual stages or pipeline_schedule="
+            "'1f1b'"
+        )
+    solution = min(found, key=lambda f: f.step_latency_s)
+    logger.info("stage plan: %s", _describe(solution))
+    return solution
+
+
+def _balanced_ranges(
+    num_layers: int,
+    stages: int | Sequence[tuple[int, int]],
+    submesh: tuple[int, int],
+    logical: tuple[int, int],
+    cost_fn: CostFn,
+    memory: float,
+    in_flight: Sequence[int],
+) -> tuple[StageAssignment, ...] | None:
+    """`stages` contiguous layer ranges on `submesh` as `logical` whose slowest stage is the
+    fastest (each stage at its fastest alternative within `memory`), or the given ranges
+    priced; None if they do not fit."""
+
+    @functools.cache
+    def stage(start: int, end: int, s: int) -> StageCost | None:
+        fitting = [
+            c
+            for c in _alternatives(cost_fn(start, end, submesh, logical))
+            if c.static_memory_bytes + in_flight[s] * c.activation_memory_bytes <= memory
+        ]
+        return min(fitting, key=lambda c: c.latency_s) if fitting else None
+
+    if not isinstance(stages, int):
+        costs = [stage(a, b, s) for s, (a, b) in enumerate(stages)]
+        if any(c is None for c in costs):
+            return None
+        return tuple(
+            StageAssignment(tuple(r), tuple(submesh), tuple(logical), c)
+            for r, c in zip(stages, costs, strict=True)
+        )
+    num_stages = stages
+    # best[s][end]: (slowest stage, start of stage s) of layers [0, end) in s + 1 stages
+    best: list[dict[int, tuple[float, int]]] = [{} for _ in range(num_stages)]
+    for end in range(1, num_layers - num_stages + 2):
+        cost = stage(0, end, 0)
+        if cost is not None:
+            best[0][end] = (cost.latency_s, 0)
+    for s in range(1, num_stages):
+        for end in range(s + 1, num_layers - num_stages + s + 2):
+            options = []
+            for start, (slowest, _) in best[s - 1].items():
+                cost = stage(start, end, s) if start < end else None
+                if cost is not None:
+                    options.append((max(slowest, cost.latency_s), start))
+            if options:
+                best[s][end] = min(options)
+    if num_layers not in best[-1]:
+        return None
+    ends, end = [], num_layers
+    for s in range(num_stages - 1, -1, -1):
+        ends.append(end)
+        end = best[s][end][1]
+    ranges = list(zip([0, *ends[::-1][:-1]], ends[::-1], strict=True))
+    return tuple(
+        StageAssignment((a, b), tuple(submesh), tuple(logical), stage(a, b, s))
+        for s, (a, b) in enumerate(ranges)
     )
 
 

@@ -105,15 +105,15 @@ def stage_latencies(plan: Plan) -> list[float]:
 
 
 def bubble_fraction(plan: Plan) -> float:
-    """The share of device time the pipeline idles: 1 − k·Σ t_i / (S · T) for S stages of
-    t_i seconds per micro-batch, k micro-batches and the predicted step T (its schedule's,
-    `PipelineSchedule.step_time`)."""
+    """The share of device time the pipeline idles: 1 − k·Σ t_i / (n · T) for stages of t_i
+    seconds per micro-batch on n meshes, k micro-batches and the predicted step T (its
+    schedule's, `PipelineSchedule.step_time`)."""
     latencies = stage_latencies(plan)
     step = plan.predicted.step_time_s
     if step <= 0:
         return 0.0
     busy = plan.num_micro_batches * sum(latencies)
-    return max(0.0, 1.0 - busy / (len(latencies) * step))
+    return max(0.0, 1.0 - busy / (plan.num_meshes * step))
 
 
 def throughput(plan: Plan) -> tuple[float, float] | None:
@@ -220,7 +220,12 @@ def plan_summary(plan: Plan, max_rows: int = 60) -> str:
     lines = [
         f"autopar plan: {plan.method}, {plan.num_micro_batches} micro-batch(es), "
         f"{len(plan.stages)} stage(s) on {plan.num_devices} device(s), {_cluster_line(plan)}"
-        + (f", {plan.pipeline_schedule} pipeline" if plan.pipeline_schedule else ""),
+        + (f", {plan.pipeline_schedule} pipeline" if plan.pipeline_schedule else "")
+        + (
+            f" ({len(plan.stages) // plan.num_meshes} stages on each of {plan.num_meshes} meshes)"
+            if plan.num_meshes < len(plan.stages)
+            else ""
+        ),
     ]
     for stage in plan.stages:
         lines.extend(_stage_lines(plan, stage, max_rows))

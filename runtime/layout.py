@@ -31,7 +31,7 @@ from jax.extend.core import JaxprEqn, Literal, Var
 from autopar.planner.pipeline import StagePlacement, StageProgram, place_stages, split_step
 from autopar.planner.pipeline import stage_program as build_stage_program
 from autopar.planner.plan import Plan
-from autopar.planner.schedules import GRADIENT_KINDS, Schedule, TaskKind, make_schedule
+from autopar.planner.schedules import GRADIENT_KINDS, Schedule, TaskKind
 from autopar.runtime.interpreter import free_vars
 from autopar.tracing import TracedStep
 
@@ -69,9 +69,7 @@ class PipelineLayout:
         signature = traced.program.signature
         parts = split_step(traced.closed_jaxpr, signature.batch_inputs)
         self.placement: StagePlacement = place_stages(parts, [s.layers for s in plan.stages])
-        self.schedule: Schedule = make_schedule(
-            plan.pipeline_schedule, len(plan.stages), self.num_micro_batches
-        )
+        self.schedule: Schedule = plan.pipeline_table()
         self.programs: tuple[StageProgram, ...] = tuple(
             build_stage_program(parts, self.placement, s, signature)
             for s in range(len(plan.stages))
@@ -271,7 +269,8 @@ def walk_step(layout: PipelineLayout) -> StepWalk:
     """The operations of one step of `layout`, which depend on the layout only (not on values).
 
     Tasks run in `layout.tasks()` order; every value is moved at most once to each stage that
-    reads it, from the lowest stage holding it, and freed after its last reader.
+    reads it, from a stage on the same mesh that holds it or else the lowest, and freed after
+    its last reader.
     """
     jaxpr = layout.traced.closed_jaxpr.jaxpr
     k = layout.num_micro_batches
@@ -289,8 +288,10 @@ def walk_step(layout: PipelineLayout) -> StepWalk:
             if s not in holders:
                 if HOST in holders:
                     ops.append(PlaceInput(key, s))
-                else:
-                    ops.append(CopyValue(key, min(holders), s))
+                else:  # from a stage on the same mesh if one holds it, else the lowest
+                    mesh = layout.schedule.mesh_of
+                    source = min(holders, key=lambda h: (mesh(h) != mesh(s), h))
+                    ops.append(CopyValue(key, source, s))
                 holders.add(s)
         ops.append(RunTask(segment, j))
         for key in layout.writes_of(segment, j):

@@ -1,20 +1,20 @@
 """Run plans on Ray actors that drive device meshes, including meshes that span several hosts.
 
 `autopar.init(cluster="ray")` connects to (or starts) Ray and reserves one placement-group bundle
-per host (`RayCluster`). A plan's stage mesh gets one `MeshWorker` actor per host it covers, pinned
+per host (`RayCluster`). A plan's mesh gets one `MeshWorker` actor per host it covers, pinned
 to that host's devices (its GPUs; on a CPU-only cluster the actor simulates its share of devices
 with XLA's host-platform device count). A mesh over several hosts is one JAX SPMD program over its
 actors, joined with `jax.distributed.initialize` (gloo collectives on CPU, NCCL on GPU).
 
 The driver (`RayExecutable`) never holds the program's arrays. It traces and plans the step, then
-each worker traces the same step again from the pickled function and abstract arguments and
-checks it got the same program, so a variable is named across processes by its id in the traced
-jaxpr. Each worker compiles its stage's share of the schedule into its own step program once
-(`runtime.worker_program`). A step is then one call per worker, carrying the inputs that worker
-takes; activations and gradients go from worker to worker (`runtime.transport`), never through
-the driver, which only waits for the calls to finish. Step outputs stay on their meshes as
-`RemoteArray` handles; passing them to the next step moves nothing, and the names of those that
-are garbage-collected travel with the next step's calls.
+each worker traces the same step again from the pickled function and abstract arguments and checks
+it got the same program, so a variable is named across processes by its id in the traced jaxpr.
+Each worker compiles its mesh's share of the schedule (its stage's, or with interleaved 1F1B its
+virtual stages') into its own step program once (`runtime.worker_program`). A step is then one call
+per worker, carrying the inputs that worker takes; activations and gradients go from worker to
+worker (`runtime.transport`), never through the driver, which only waits for the calls to finish.
+Step outputs stay on their meshes as `RemoteArray` handles; passing them to the next step moves
+nothing, and the names of those that are garbage-collected travel with the next step's calls.
 
 Failures: every step waits for its calls with a timeout; an actor that dies or a task that raises
 surfaces as `StageFailedError` naming the stage and host, a step over time as `StepTimeoutError`.
@@ -41,7 +41,7 @@ from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import AutoparError, InvalidArgumentError
 from autopar.planner.plan import Plan, format_spec
 from autopar.runtime.executors import StepToBuild
-from autopar.runtime.layout import HOST, PipelineLayout
+from autopar.runtime.layout import HOST, PipelineLayout, PlaceInput
 from autopar.runtime.ray_worker import (
     FromStage,
     HostKeys,
@@ -148,10 +148,10 @@ class RayCluster:
         source = StepSource.of(step.fun, step.args, step.argnums)
         return RayExecutable(self, step.traced, step.plan, source)
 
-    def start_worker(self, host: int, num_devices: int, stage: int | None = None) -> Any:
+    def start_worker(self, host: int, num_devices: int, stages: tuple[int, ...] = ()) -> Any:
         """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices, for
-        pipeline stage `stage` (None: a profiling worker); it logs at the level of this process's
-        "autopar" logger."""
+        the pipeline `stages` on its mesh (none: a profiling worker); it logs at the level of
+        this process's "autopar" logger."""
         import ray
 
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
@@ -165,7 +165,7 @@ class RayCluster:
                 max_restarts=0,
                 max_concurrency=_WORKER_THREADS,
             )
-            .remote(num_devices, not self.use_gpus, host, stage, level)
+            .remote(num_devices, not self.use_gpus, host, stages, level)
         )
         self.actors.append(actor)
         return actor
@@ -279,7 +279,7 @@ class RemoteArray:
         self.name = name
         self.aval = aval
         self.spec = spec
-        weakref.finalize(self, executable.unused[stage].append, name)
+        weakref.finalize(self, executable.unused[executable.mesh_of(stage)].append, name)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -307,7 +307,7 @@ class RemoteArray:
 @dataclasses.dataclass
 class _Call:
     ref: Any
-    stage: int
+    mesh: int
     host: int
     what: str
 
@@ -331,8 +331,12 @@ class RayExecutable:
         self.last_worker_bytes = 0  # bytes the workers sent each other in the last step
         self.layout = PipelineLayout(traced, plan) if plan.pipeline_schedule else None
         self.schedule = self.layout.schedule if self.layout else None
-        self._taken = self._inputs_taken()
-        self.unused: list[list[str]] = [[] for _ in plan.stages]  # kept names to drop
+        meshes = self.schedule.num_meshes if self.schedule else 1
+        # the stages on each mesh: one, or v with interleaved 1F1B (stage s on mesh s mod n)
+        self.mesh_stages = [tuple(range(m, len(plan.stages), meshes)) for m in range(meshes)]
+        self._taken = self._inputs_taken()  # per mesh
+        self._first_reader = self._first_readers()
+        self.unused: list[list[str]] = [[] for _ in range(meshes)]  # kept names to drop
         spec = cluster.cluster_spec
         needed = 1 + max(i for s in plan.stages for i in s.mesh.device_indices)
         if needed > spec.num_devices:
@@ -340,63 +344,76 @@ class RayExecutable:
                 f"the plan needs {needed} devices but the Ray cluster has {spec.num_devices} "
                 f"({spec.num_hosts}x{spec.devices_per_host})"
             )
-        self.actors: list[list[Any]] = []
+        self.actors: list[list[Any]] = []  # per mesh, one worker per host it covers
         self.hosts: list[list[int]] = []
-        for stage in plan.stages:
+        for stages in self.mesh_stages:
             by_host: dict[int, list[int]] = {}
-            for index in stage.mesh.device_indices:
+            for index in plan.stages[stages[0]].mesh.device_indices:
                 by_host.setdefault(index // spec.devices_per_host, []).append(index)
             hosts = sorted(by_host.items())
-            s = len(self.actors)
-            self.actors.append([cluster.start_worker(h, len(ix), s) for h, ix in hosts])
+            self.actors.append([cluster.start_worker(h, len(ix), stages) for h, ix in hosts])
             self.hosts.append(sorted(by_host))
         self._build(source)
 
-    def _device_map(self, stage: int) -> list[tuple[int, int, int]]:
-        """(global device index, process of the stage's mesh, position on that process) of
-        each device of `stage`: how its workers find the plan's devices among theirs."""
+    def mesh_of(self, stage: int) -> int:
+        """The mesh whose workers run `stage`."""
+        return stage % len(self.mesh_stages)
+
+    def workers_of(self, stage: int) -> list[Any]:
+        """The actors that run `stage` (one per host of its mesh)."""
+        return self.actors[self.mesh_of(stage)]
+
+    def _label(self, mesh: int) -> str:
+        stages = self.mesh_stages[mesh]
+        return f"stage {stages[0]}" if len(stages) == 1 else "stages " + "+".join(map(str, stages))
+
+    def _device_map(self, mesh: int) -> list[tuple[int, int, int]]:
+        """(global device index, process of the mesh, position on that process) of each device
+        of `mesh`: how its workers find the plan's devices among theirs."""
         per_host = self._cluster.cluster_spec.devices_per_host
-        indices = self.plan.stages[stage].mesh.device_indices
+        indices = self.plan.stages[self.mesh_stages[mesh][0]].mesh.device_indices
         entries = []
         for index in indices:
             host = index // per_host
             same_host = sorted(i for i in indices if i // per_host == host)
-            entries.append((index, self.hosts[stage].index(host), same_host.index(index)))
+            entries.append((index, self.hosts[mesh].index(host), same_host.index(index)))
         return entries
 
     def _build(self, source: StepSource) -> None:
-        """Start the workers, join multi-host meshes, and have every worker bind its stage."""
+        """Start the workers, join multi-host meshes, and have every worker bind its stages."""
+        meshes = range(len(self.actors))
         calls = []
-        for s in range(len(self.actors)):
-            calls += [_Call(a.ping.remote(), s, h, "starting") for a, h in self._pairs(s)]
+        for m in meshes:
+            calls += [_Call(a.ping.remote(), m, h, "starting") for a, h in self._pairs(m)]
         self._wait(calls, "starting the mesh workers")
         authkey, timeout = secrets.token_bytes(16), self._cluster.step_timeout_s
         opens = [
-            _Call(a.open_transport.remote(authkey, timeout), s, h, "opening its transport")
-            for s in range(len(self.actors))
-            for a, h in self._pairs(s)
+            _Call(a.open_transport.remote(authkey, timeout), m, h, "opening its transport")
+            for m in meshes
+            for a, h in self._pairs(m)
         ]
         addresses = iter(self._wait(opens, "opening the stage transports"))
-        peers = [[next(addresses) for _ in actors] for actors in self.actors]
+        by_mesh = [[next(addresses) for _ in actors] for actors in self.actors]
+        peers = [by_mesh[self.mesh_of(s)] for s in range(len(self.plan.stages))]
         joins = []
-        for s, actors in enumerate(self.actors):
+        for m, actors in enumerate(self.actors):
             if len(actors) > 1:
-                address = self._get(actors[0].coordinator_address.remote(), s)
+                address = self._get(actors[0].coordinator_address.remote(), m)
                 joins += [
-                    _Call(a.join.remote(address, len(actors), p), s, h, "jax.distributed")
-                    for p, (a, h) in enumerate(self._pairs(s))
+                    _Call(a.join.remote(address, len(actors), p), m, h, "jax.distributed")
+                    for p, (a, h) in enumerate(self._pairs(m))
                 ]
         self._wait(joins, "joining multi-host meshes")
         plan_json = self.plan.to_json(indent=None)
         builds = [
-            _Call(a.build.remote(source, plan_json, self._device_map(s), peers), s, h, "build")
-            for s in range(len(self.actors))
-            for a, h in self._pairs(s)
+            _Call(a.build.remote(source, plan_json, self._device_map(m), peers), m, h, "build")
+            for m in meshes
+            for a, h in self._pairs(m)
         ]
         self._wait(builds, "building the stages")
 
     def _inputs_taken(self) -> list[list[int]]:
-        """Per stage, the positions of the flat step inputs its workers take (every one for a
+        """Per mesh, the positions of the flat step inputs its workers take (every one for a
         single-stage plan; constants the workers have from their own trace)."""
         invars = self._traced.closed_jaxpr.jaxpr.invars
         if self.layout is None:
@@ -407,8 +424,21 @@ class RayExecutable:
             for program in worker_programs(self.layout)
         ]
 
-    def _pairs(self, stage: int) -> list[tuple[Any, int]]:
-        return list(zip(self.actors[stage], self.hosts[stage], strict=True))
+    def _first_readers(self) -> dict[int, int]:
+        """The first stage that reads each flat step input position (absent: none does)."""
+        invars = self._traced.closed_jaxpr.jaxpr.invars
+        if self.layout is None:
+            return dict.fromkeys(range(len(invars)), 0)
+        position = {v: n for n, v in enumerate(invars)}
+        readers: dict[int, int] = {}
+        for op in self.layout.walk.ops:
+            if isinstance(op, PlaceInput) and op.key[0] in position:
+                n = position[op.key[0]]
+                readers[n] = min(readers.get(n, op.stage), op.stage)
+        return readers
+
+    def _pairs(self, mesh: int) -> list[tuple[Any, int]]:
+        return list(zip(self.actors[mesh], self.hosts[mesh], strict=True))
 
     # ------------------------------------------------------------------ calling
 
@@ -430,11 +460,11 @@ class RayExecutable:
             inputs, forwards, driver_bytes = self._step_inputs(flat)
             outs, keep = self._outputs(flat)
             calls = []
-            for s in range(len(self.actors)):
-                drops = self.unused[s][:]
-                del self.unused[s][: len(drops)]
-                args = (step, inputs[s], keep[s], forwards[s], drops)
-                calls += [_Call(a.step.remote(*args), s, h, "the step") for a, h in self._pairs(s)]
+            for m in range(len(self.actors)):
+                drops = self.unused[m][:]
+                del self.unused[m][: len(drops)]
+                args = (step, inputs[m], keep[m], forwards[m], drops)
+                calls += [_Call(a.step.remote(*args), m, h, "the step") for a, h in self._pairs(m)]
             self.last_dispatch_s = time.perf_counter() - start
             self.last_driver_bytes = driver_bytes
             self.last_worker_bytes = sum(self._wait(calls, "the step"))
@@ -443,20 +473,22 @@ class RayExecutable:
     def _step_inputs(
         self, flat: Sequence[Any]
     ) -> tuple[list[dict[int, Any]], list[list[tuple[str, int, int]]], int]:
-        """Per stage, its inputs by variable id (`MeshWorker.step`) and the kept values it
-        forwards to other stages; and the bytes the driver put in Ray's object store."""
+        """Per mesh, its inputs by variable id (`MeshWorker.step`) and the kept values it
+        forwards to other meshes; and the bytes the driver put in Ray's object store."""
         inputs: list[dict[int, Any]] = [{} for _ in self.actors]
         forwards: list[list[tuple[str, int, int]]] = [[] for _ in self.actors]
         payloads = _Payloads()
-        for s, positions in enumerate(self._taken):
+        for m, positions in enumerate(self._taken):
             for n in positions:
                 x, vid = flat[n], self._vid(n)
                 if isinstance(x, RemoteArray) and x._executable is self:
-                    if x.stage != s:
-                        forwards[x.stage].append((x.name, vid, s))
-                    inputs[s][vid] = Kept(x.name) if x.stage == s else FromStage(x.stage)
+                    held_here = self.mesh_of(x.stage) == m
+                    if not held_here:
+                        target = self.mesh_stages[m][0]
+                        forwards[self.mesh_of(x.stage)].append((x.name, vid, target))
+                    inputs[m][vid] = Kept(x.name) if held_here else FromStage(x.stage)
                 else:
-                    inputs[s][vid] = payloads.of(n, x)
+                    inputs[m][vid] = payloads.of(n, x)
         return inputs, forwards, payloads.driver_bytes
 
     @property
@@ -474,7 +506,7 @@ class RayExecutable:
 
     def _reader(self, position: int) -> int | None:
         """The first stage that reads flat step input `position` (None: no stage does)."""
-        return next((s for s, taken in enumerate(self._taken) if position in taken), None)
+        return self._first_reader.get(position)
 
     def _remote(self, stage: int, position: int | None, aval: Any) -> RemoteArray:
         """A new `RemoteArray` for a value `stage` will keep: a step input (`position`) in the
@@ -492,7 +524,7 @@ class RayExecutable:
         """The flat step inputs kept on the workers of the stage that reads each, as it reads
         them (`preshard_dynamic_args`); inputs no stage reads stay as they are."""
         payloads = _Payloads()
-        held: list[dict[str, tuple[int, Any]]] = [{} for _ in self.actors]
+        held: list[dict[str, tuple[int, int, Any]]] = [{} for _ in self.actors]
         placed = list(flat)
         avals = self._traced.full_batch_avals()
         for n, x in enumerate(flat):
@@ -500,12 +532,12 @@ class RayExecutable:
             if s is None or (isinstance(x, RemoteArray) and x._executable is self and x.stage == s):
                 continue
             placed[n] = self._remote(s, n, avals[n])
-            held[s][placed[n].name] = (self._vid(n), payloads.of(n, x))
+            held[self.mesh_of(s)][placed[n].name] = (s, self._vid(n), payloads.of(n, x))
         calls = [
-            _Call(a.hold.remote(held[s]), s, h, "presharding inputs")
-            for s in range(len(self.actors))
-            if held[s]
-            for a, h in self._pairs(s)
+            _Call(a.hold.remote(held[m]), m, h, "presharding inputs")
+            for m in range(len(self.actors))
+            if held[m]
+            for a, h in self._pairs(m)
         ]
         self._wait(calls, "presharding the inputs")
         return placed
@@ -523,27 +555,28 @@ class RayExecutable:
             return fun(*(a if i in static else next(it) for i, a in enumerate(args)))
 
         abstract = jax.eval_shape(bound, *(a for i, a in enumerate(args) if i not in static))
-        leaves: list[dict[str, tuple[int, int | None]]] = [{} for _ in self.actors]
+        leaves: list[dict[str, tuple[int, int, int | None]]] = [{} for _ in self.actors]
         created = []
         for i, (leaf, n) in enumerate(zip(jax.tree.leaves(abstract), positions, strict=True)):
             s = 0 if n is None else self._reader(n)
             s, n = (0, None) if s is None else (s, n)
             aval = jax.core.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
             array = self._remote(s, n, aval)
-            leaves[s][array.name] = (i, None if n is None else self._vid(n))
+            vid = None if n is None else self._vid(n)
+            leaves[self.mesh_of(s)][array.name] = (s, i, vid)
             created.append(array)
         calls = [
-            _Call(a.create.remote(fun, args, static, leaves[s]), s, h, "creating the state")
-            for s in range(len(self.actors))
-            if leaves[s]
-            for a, h in self._pairs(s)
+            _Call(a.create.remote(fun, args, static, leaves[m]), m, h, "creating the state")
+            for m in range(len(self.actors))
+            if leaves[m]
+            for a, h in self._pairs(m)
         ]
         self._wait(calls, "creating the state")
         return created
 
     def _outputs(self, flat: Sequence[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
         """The step's outputs (`RemoteArray`s named now, literals, inputs passed through) and,
-        per stage, the names its workers keep them by."""
+        per mesh, the names its workers keep them by (name -> (stage, where))."""
         jaxpr = self._traced.closed_jaxpr.jaxpr
         inputs = dict(zip(jaxpr.invars, flat, strict=True))
         plan = self.plan
@@ -563,21 +596,21 @@ class RayExecutable:
                 where = (self.layout.var_id[v], None)
                 spec = _spec(plan, self.layout, stage, v, inputs=False)
             name = f"kept{next(RayExecutable._names)}"
-            keep[stage][name] = where
+            keep[self.mesh_of(stage)][name] = (stage, where)
             outs.append(RemoteArray(self, stage, name, v.aval, spec))
         return outs, keep
 
     def fetch(self, array: RemoteArray) -> np.ndarray:
         """The whole value of a `RemoteArray`, gathered from its workers."""
-        pairs = self._pairs(array.stage)
-        refs = [a.export_kept.remote(array.name) for a, _ in pairs]
-        parts = [self._get(ref, array.stage) for ref in refs]
+        mesh = self.mesh_of(array.stage)
+        refs = [a.export_kept.remote(array.name) for a, _ in self._pairs(mesh)]
+        parts = [self._get(ref, mesh) for ref in refs]
         return from_parts(parts, array.aval)
 
     # ------------------------------------------------------------------ waiting
 
-    def _get(self, ref: Any, stage: int) -> Any:
-        return self._wait([_Call(ref, stage, self.hosts[stage][0], "call")], "a call")[0]
+    def _get(self, ref: Any, mesh: int) -> Any:
+        return self._wait([_Call(ref, mesh, self.hosts[mesh][0], "call")], "a call")[0]
 
     def _wait(self, calls: Sequence[_Call], what: str) -> list[Any]:
         """Results of `calls`; the first failure (in submission order) or a timeout raises."""
@@ -614,15 +647,15 @@ class RayExecutable:
                         "define the step in the script you run)"
                     )
                 self._broken = (
-                    f"stage {call.stage} (host {call.host}) failed during {what} "
+                    f"{self._label(call.mesh)} (host {call.host}) failed during {what} "
                     f"({call.what}): {reason}"
                 )
                 raise StageFailedError(self._broken) from error
             if pending and time.monotonic() >= deadline:
                 late = calls[min(index[ref] for ref in pending)]
                 self._broken = (
-                    f"{what} did not finish within step_timeout_s={timeout:g} s: stage "
-                    f"{late.stage} (host {late.host}) was still running {late.what}"
+                    f"{what} did not finish within step_timeout_s={timeout:g} s: "
+                    f"{self._label(late.mesh)} (host {late.host}) was still running {late.what}"
                 )
                 raise StepTimeoutError(self._broken)
         return results
@@ -630,19 +663,23 @@ class RayExecutable:
     # ------------------------------------------------------------------ inspection
 
     def timeline(self) -> list[TaskTime]:
-        """Every task run so far on the first host of each stage, by wall start time (one
+        """Every task run so far on the first host of each mesh, by wall start time (one
         `time.perf_counter` per machine; device clocks restart with each step)."""
         rows = [
             t
-            for s in range(len(self.actors))
-            for t in self._get(self.actors[s][0].timeline.remote(), s)
+            for m in range(len(self.actors))
+            for t in self._get(self.actors[m][0].timeline.remote(), m)
         ]
         return sorted(rows, key=lambda t: t.start)
 
     def _hlo_and_memory(self) -> list[tuple[str, Any]]:
-        return [
-            self._get(self.actors[s][0].hlo_and_memory.remote(), s) for s in range(len(self.actors))
+        """Per stage, in stage order: (HLO text, memory stats) from its mesh's first host."""
+        found = [
+            row
+            for m in range(len(self.actors))
+            for row in self._get(self.actors[m][0].hlo_and_memory.remote(), m)
         ]
+        return [(text, stats) for _, text, stats in sorted(found, key=lambda row: row[0])]
 
     def get_hlo_text(self) -> str:
         """The compiled HLO of every stage's segments that have run (first host of each mesh)."""
@@ -678,7 +715,7 @@ class _Payloads:
         if position in self._made:
             return self._made[position]
         if isinstance(x, RemoteArray):  # another executable's (an eval step reading the state)
-            made = Pulled(tuple(x._executable.actors[x.stage]), x.name)
+            made = Pulled(tuple(x._executable.workers_of(x.stage)), x.name)
         elif key_impl(x) is not None:
             made = HostKeys(np.asarray(jax.random.key_data(x)), key_impl(x))
         elif isinstance(x, (bool, int, float, complex)):

@@ -1,12 +1,12 @@
-"""The Ray actor that drives one host's devices of one stage mesh (see `autopar.runtime.ray`).
+"""The Ray actor that drives one host's devices of one mesh (see `autopar.runtime.ray`).
 
-A worker traces the step itself from a `StepSource` (the pickled function and abstract
-arguments), checks it got the planned program, and binds its stage: a `StageRunner` and its own
-step program (`runtime.worker_program`) for a pipeline stage, a compiled `Executable` for a
-single-stage plan. A step is one call (`MeshWorker.step`): the worker takes its inputs, runs its
-program, and sends and receives the values other stages share with it directly
-(`runtime.transport`). Values are named by (variable id in the traced jaxpr, micro-batch) within
-a step, by a string between steps.
+A worker traces the step itself from a `StepSource` (the pickled function and abstract arguments),
+checks it got the planned program, and binds its stages: a `StageRunner` per pipeline stage on its
+mesh (one, or several with interleaved 1F1B) and its mesh's step program
+(`runtime.worker_program`), or a compiled `Executable` for a single-stage plan. A step is one call
+(`MeshWorker.step`): the worker takes its inputs, runs its program, and sends and receives the
+values other stages share with it directly (`runtime.transport`). Values are named by (variable id
+in the traced jaxpr, micro-batch) within a step, by a string between steps.
 
 The actor is threaded: while one thread runs a step, others take deliveries from other workers.
 """
@@ -34,7 +34,7 @@ from autopar.runtime.transport import (
     key_impl,
     local_shards,
 )
-from autopar.runtime.worker_program import Free, Receive, Send, worker_programs
+from autopar.runtime.worker_program import Copy, Free, Receive, Send, worker_programs
 from autopar.tracing import TracedStep, abstract_arguments
 
 logger = logging.getLogger(__name__)
@@ -150,14 +150,14 @@ def _free_port() -> int:
 
 
 class MeshWorker:
-    """A Ray actor driving one host's devices of one stage mesh (see the module docstring)."""
+    """A Ray actor driving one host's devices of one mesh (see the module docstring)."""
 
     def __init__(
         self,
         num_local_devices: int,
         simulate_devices: bool,
         host: int,
-        stage: int | None,
+        stages: tuple[int, ...] = (),
         log_level: int = logging.WARNING,
     ) -> None:
         if simulate_devices:
@@ -170,7 +170,7 @@ class MeshWorker:
         autopar_logger.addHandler(handler)
         autopar_logger.setLevel(log_level)
         autopar_logger.propagate = False  # Ray's own root handler would print it twice
-        self.stage = stage
+        self.stages = tuple(stages)  # the pipeline stages on this mesh; () for profiling
         self.host = host
         self._simulated = simulate_devices
         self._values: dict[Any, Any] = {}
@@ -179,14 +179,15 @@ class MeshWorker:
         self._step = -1
         self._layout: PipelineLayout | None = None
         self._program: tuple = ()
-        self._runner = None
+        self._runners: dict[int, Any] = {}  # stage -> StageRunner
         self._executable = None
         self._input_avals: list[Any] = []
         self._transport: SocketTransport | None = None
 
     def __repr__(self) -> str:
-        stage = "" if self.stage is None else f"stage {self.stage}, "
-        return f"MeshWorker({stage}host {self.host})"
+        stages = {0: "", 1: "stage "}.get(len(self.stages), "stages ")
+        stages += "+".join(map(str, self.stages)) + (", " if self.stages else "")
+        return f"MeshWorker({stages}host {self.host})"
 
     def ping(self) -> int:
         return os.getpid()
@@ -242,8 +243,9 @@ class MeshWorker:
             self._input_avals = traced.full_batch_avals()
         else:
             self._layout = PipelineLayout(traced, plan)
-            self._runner = StageRunner(self._layout, self.stage, devices)
-            self._program = worker_programs(self._layout)[self.stage]
+            self._runners = {s: StageRunner(self._layout, s, devices) for s in self.stages}
+            mesh = self._layout.schedule.mesh_of(self.stages[0])
+            self._program = worker_programs(self._layout)[mesh]
         logger.info("built with %d instruction(s) per step", len(self._program))
         return jax.devices()[0].platform
 
@@ -273,7 +275,7 @@ class MeshWorker:
         for name, vid, target in forwards:
             transport.send((step, vid, None), self._values[name], target, self._clock.tick())
         values = self._resolve(step, inputs)
-        if self._runner is None:
+        if not self._runners:
             self._run_whole(values)
         else:
             self._run_program(step, values)
@@ -307,7 +309,7 @@ class MeshWorker:
         return values
 
     def _run_program(self, step: int, values: dict[int, Any]) -> None:
-        layout, runner, k = self._layout, self._runner, self._layout.num_micro_batches
+        layout, runners, k = self._layout, self._runners, self._layout.num_micro_batches
         closed = layout.traced.closed_jaxpr
         consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         clock = self._clock
@@ -315,54 +317,61 @@ class MeshWorker:
             if isinstance(instruction, RunTask):
                 segment = instruction.segment
                 j = instruction.micro_batch
-                self._timed(segment.name, j, runner.run, segment, j)
+                self._timed(segment.stage, segment.name, j, runners[segment.stage].run, segment, j)
                 continue
             if isinstance(instruction, Free):
                 for key in instruction.keys:
-                    runner.free(key)
+                    runners[instruction.stage].free(key)
                 continue
             var, j = instruction.key
             if isinstance(instruction, PlaceInput):
                 whole = consts[var] if var in consts else values[layout.var_id[var]]
-                runner.place(instruction.key, whole if j is None else micro_batch_of(whole, j, k))
+                value = whole if j is None else micro_batch_of(whole, j, k)
+                runners[instruction.stage].place(instruction.key, value)
+            elif isinstance(instruction, Copy):
+                value = runners[instruction.source].value(instruction.key)
+                runners[instruction.target].place(instruction.key, value)
             elif isinstance(instruction, Send):
-                tag, value = (step, layout.var_id[var], j), runner.value(instruction.key)
+                tag = (step, layout.var_id[var], j)
+                value = runners[instruction.source].value(instruction.key)
                 self._transport.send(tag, value, instruction.target, clock.tick())
             elif isinstance(instruction, Receive):
                 tag = (step, layout.var_id[var], j)
                 what = f"{var} of micro-batch {j}" if j is not None else str(var)
                 value, sent_at = self._transport.receive(tag, instruction.source, var.aval, what)
                 clock.received(sent_at)
-                runner.place(instruction.key, value)
+                runners[instruction.stage].place(instruction.key, value)
 
     def _run_whole(self, values: dict[int, Any]) -> None:
         from autopar.runtime.stage import place
 
         shardings = self._executable.flat_input_shardings
         flat = [place(values[n], shardings[n]) for n in range(len(values))]
-        outs = self._timed("step", None, self._executable.call_flat, flat)
+        outs = self._timed(0, "step", None, self._executable.call_flat, flat)
         leaves = jax.tree_util.tree_leaves(outs)
         self._values.update({("out", n): x for n, x in enumerate(leaves)})
 
-    def _timed(self, name: str, micro_batch: int | None, run: Callable, *args: Any) -> Any:
-        """`run(*args)` until its results are ready, recorded in the timeline."""
+    def _timed(
+        self, stage: int, name: str, micro_batch: int | None, run: Callable, *args: Any
+    ) -> Any:
+        """`run(*args)` (a task of `stage`) until its results are ready, in the timeline."""
         device_start, start = self._clock.tick(), time.perf_counter()
         outs = jax.block_until_ready(run(*args))
         end, device_end = time.perf_counter(), self._clock.tick()
-        stage = 0 if self.stage is None else self.stage
         times = (start, end, device_start, device_end)
         self._timeline.append(TaskTime(stage, name, micro_batch, self._step, *times))
         return outs
 
-    def _keep(self, names: dict[str, Any]) -> None:
-        """End a step: keep the named outputs, drop every other value of the step."""
-        for name, where in names.items():
-            if self._runner is not None:
-                self._values[name] = self._runner.value(self._key(*where))
+    def _keep(self, names: dict[str, tuple[int, Any]]) -> None:
+        """End a step: keep the named outputs (name -> (stage, where it is)), drop every other
+        value of the step."""
+        for name, (stage, where) in names.items():
+            if self._runners:
+                self._values[name] = self._runners[stage].value(self._key(*where))
             else:
                 self._values[name] = self._values[("out", where)]
-        if self._runner is not None:
-            self._runner.values.clear()
+        for runner in self._runners.values():
+            runner.values.clear()
         for key in [k for k in self._values if not isinstance(k, str)]:
             del self._values[key]
 
@@ -373,11 +382,11 @@ class MeshWorker:
         fun: Callable,
         args: tuple[Any, ...],
         static: tuple[int, ...],
-        leaves: dict[str, tuple[int, int | None]],
+        leaves: dict[str, tuple[int, int, int | None]],
     ) -> None:
-        """Run a state-initialisation function and keep the leaves of its result this stage
-        stores (name -> (leaf index, variable id; None for a leaf no stage reads)), each born in
-        the sharding this stage reads it with (`CreateStateParallel` on Ray)."""
+        """Run a state-initialisation function and keep the leaves of its result this mesh
+        stores (name -> (stage, leaf index, variable id; None for a leaf no stage reads)), each
+        born in the sharding its stage reads it with (`CreateStateParallel` on Ray)."""
         dynamic = [a for i, a in enumerate(args) if i not in static]
         chosen = list(leaves.values())
 
@@ -385,30 +394,32 @@ class MeshWorker:
             it = iter(values)
             state = fun(*(a if i in static else next(it) for i, a in enumerate(args)))
             flat = jax.tree_util.tree_leaves(state)
-            return tuple(flat[i] for i, _ in chosen)
+            return tuple(flat[i] for _, i, _ in chosen)
 
-        shardings = tuple(self._input_sharding(vid) for _, vid in chosen)
+        shardings = tuple(self._input_sharding(stage, vid) for stage, _, vid in chosen)
         outs = jax.jit(select, out_shardings=shardings)(*dynamic)
         self._values.update(zip(leaves, outs, strict=True))
 
-    def hold(self, values: dict[str, tuple[int, Any]]) -> None:
-        """Keep step inputs ahead of a step (name -> (variable id, input as `step` takes it)),
-        placed where this stage reads them (`preshard_dynamic_args` on Ray)."""
+    def hold(self, values: dict[str, tuple[int, int, Any]]) -> None:
+        """Keep step inputs ahead of a step (name -> (stage, variable id, input as `step` takes
+        it)), placed where that stage reads them (`preshard_dynamic_args` on Ray)."""
         from autopar.runtime.stage import place
 
-        resolved = self._resolve(-1, {vid: x for vid, x in values.values()})
-        for name, (vid, _) in values.items():
-            self._values[name] = place(resolved[vid], self._input_sharding(vid))
+        resolved = self._resolve(-1, {vid: x for _, vid, x in values.values()})
+        for name, (stage, vid, _) in values.items():
+            self._values[name] = place(resolved[vid], self._input_sharding(stage, vid))
 
-    def _input_sharding(self, vid: int | None) -> Any:
-        """The sharding this stage reads step input `vid` with (None: as it comes; batch inputs
-        of a pipeline are cut into micro-batches first)."""
+    def _input_sharding(self, stage: int, vid: int | None) -> Any:
+        """The sharding `stage` reads step input `vid` with (None: as it comes; batch inputs of
+        a pipeline are cut into micro-batches first)."""
         if vid is None:
             return None
-        if self._runner is None:
+        if not self._runners:
             return self._executable.flat_input_shardings[vid]
         var = self._layout.var_of[vid]
-        return None if var in self._layout.batch_vars else self._runner.input_sharding.get(var)
+        if var in self._layout.batch_vars:
+            return None
+        return self._runners[stage].input_sharding.get(var)
 
     # ------------------------------------------------------------------ between workers
 
@@ -436,12 +447,12 @@ class MeshWorker:
         """Every task this worker ran, in order."""
         return list(self._timeline)
 
-    def hlo_and_memory(self) -> tuple[str, Any]:
-        """The compiled HLO text and the `MemoryStats` of the largest segment (None before a
-        run)."""
-        if self._runner is not None:
-            return self._runner.hlo_text(), self._runner.memory_stats()
-        return self._executable.get_hlo_text(), self._executable.memory_stats()
+    def hlo_and_memory(self) -> list[tuple[int, str, Any]]:
+        """Per stage on this mesh: (stage, compiled HLO text, `MemoryStats` of its largest
+        segment; None before a run)."""
+        if self._runners:
+            return [(s, r.hlo_text(), r.memory_stats()) for s, r in self._runners.items()]
+        return [(0, self._executable.get_hlo_text(), self._executable.memory_stats())]
 
 
 def _devices_by_index(device_indices: Sequence[tuple[int, int, int]]) -> list[Any]:

@@ -41,15 +41,16 @@ def check_png(path) -> None:
 
 @pytest.fixture
 def captured_plans(monkeypatch):
-    """The plans `autopar.plan` returns while the test runs."""
+    """The plans the CLI makes while the test runs."""
     plans = []
-    real = autopar.plan
+    real = autopar.api.plan_in_context
 
-    def plan(*args, **kwargs):
-        plans.append(real(*args, **kwargs))
-        return plans[-1]
+    def plan_in_context(*args, **kwargs):
+        found = real(*args, **kwargs)
+        plans.append(found[0])
+        return found
 
-    monkeypatch.setattr(autopar, "plan", plan)
+    monkeypatch.setattr(autopar.api, "plan_in_context", plan_in_context)
     return plans
 
 

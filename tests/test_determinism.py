@@ -24,8 +24,8 @@ from autopar.models import GPTConfig, abstract_train_inputs, gpt
 def planned(family, config, batch, method, cluster):
     step, state, data = abstract_train_inputs(family, config, batch)
     spec = autopar.ClusterSpec.preset(cluster)
-    plan = autopar.plan(step, state, data, method=method, cluster_spec=spec)
-    return {"plan": plan.to_json(), "explain": str(plan.explain())}
+    explanation = autopar.explain(step, state, data, method=method, cluster_spec=spec)
+    return {"plan": explanation.chosen.plan.to_json(), "explain": str(explanation)}
 
 pipeline = autopar.PipeshardParallel(
     num_micro_batches=4, layer_option=autopar.AutoLayerOption(layer_num=2)

@@ -124,6 +124,36 @@ def test_zero_bubble_runs_weight_gradients_as_their_own_tasks():
     assert weights.eqns and not weights.writes  # W only adds into the accumulators
 
 
+@pytest.mark.parametrize("family", ["mlp", "gpt"])
+def test_interleaved_1f1b_shares_each_mesh_between_two_stages_and_matches(family):
+    """2 sub-meshes x 2 virtual stages: stage s on the devices of stage s mod 2 (parameters
+    read back from the outputs), each mesh's two stages planned within half its memory, the
+    step priced by the interleaved formula."""
+    method = _method(2, "interleaved_1f1b", "auto")
+    step, state, metrics, batch = _run(family, method)
+    assert np.isfinite(float(metrics["loss"]))
+    assert relative_error(state.params, serial_params(family)) <= 1e-5
+    plan = step.get_plan(state, batch)
+    assert plan.pipeline_schedule == "interleaved_1f1b"
+    assert (len(plan.stages), plan.num_meshes) == (4, 2)
+    meshes = [s.mesh.device_indices for s in plan.stages]
+    assert meshes[2:] == meshes[:2] and set(meshes[0]).isdisjoint(meshes[1])
+    assert len(_device_groups(state.params)) == 2
+    latencies = [s.predicted.step_time_s / MICRO_BATCHES for s in plan.stages]
+    loads = [latencies[0] + latencies[2], latencies[1] + latencies[3]]
+    expected = sum(latencies) / 2 + (MICRO_BATCHES - 1 / 2) * max(loads)
+    assert plan.predicted.step_time_s == pytest.approx(expected)
+    assert "2 stages on each of 2 meshes" in plan.summary()
+
+
+def test_interleaved_1f1b_needs_a_stage_option_it_can_lay_out():
+    option = autopar.ManualStageOption(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (1, 4)))
+    with pytest.raises(autopar.PlanningError, match="not ManualStageOption"):
+        _plan(_method(2, "interleaved_1f1b", "auto", stage_option=option))
+    with pytest.raises(autopar.PlanningError, match="a multiple of the n meshes"):
+        _plan(_method(2, "interleaved_1f1b", "auto", num_micro_batches=3), batch_size=30)
+
+
 def test_auto_schedule_plans_each_and_keeps_the_fastest():
     module, config = _config("mlp", False)
     state = module.create_train_state(config, batch_size=2)
@@ -134,7 +164,7 @@ def test_auto_schedule_plans_each_and_keeps_the_fastest():
         name: autopar.plan(
             train_step, state, batch, method=_method(0, name, "auto", stage_option=option)
         )
-        for name in ("1f1b", "zero_bubble", "gpipe", "auto")  # "auto"'s order on ties
+        for name in ("1f1b", "zero_bubble", "gpipe", "interleaved_1f1b", "auto")  # ties' order
     }
     auto = steps.pop("auto")
     assert auto.pipeline_schedule == min(steps, key=lambda name: steps[name].predicted.step_time_s)
@@ -525,6 +555,8 @@ def test_jax_grad_cannot_be_pipelined():
         ({"num_micro_batches": 0}, "num_micro_batches"),
         ({"layer_option": 4}, "layer_option"),
         ({"stage_option": "balanced"}, "stage_option"),
+        ({"num_virtual_stages": 0}, "num_virtual_stages=0 must be a positive integer"),
+        ({"num_virtual_stages": 2.0}, "num_virtual_stages=2.0"),
     ],
 )
 def test_bad_method_arguments(kwargs, match):

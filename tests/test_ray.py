@@ -130,6 +130,35 @@ def test_zero_bubble_on_workers_matches_serial(on_ray, stages):
     assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
 
 
+def test_interleaved_1f1b_runs_two_stages_per_worker_and_matches_serial(on_ray, monkeypatch):
+    """2 meshes x 2 virtual stages: one worker per mesh hosts stages s and s+2, one call each
+    per step; the state stays on the worker of the stage that reads it."""
+    on_ray(autopar.ClusterSpec.local(8))
+    step, state, _, batch = parallel_steps(mlp, MLP, _pipeline(2, "interleaved_1f1b"), BATCH, 1)
+    executable = step.get_executable(state, batch)
+    assert executable.mesh_stages == [(0, 2), (1, 3)]
+    assert [len(a) for a in executable.actors] == [1, 1]
+    assert {x.stage for x in jax.tree.leaves(state.params)} == {0, 1, 2, 3}
+    submitted = []
+    real_remote = ray.actor.ActorMethod._remote
+
+    def counted(self, *args, **kwargs):
+        submitted.append(self._method_name)
+        return real_remote(self, *args, **kwargs)
+
+    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", counted)
+    for _ in range(STEPS - 1):
+        submitted.clear()
+        state, _ = step(state, batch)
+        assert submitted == ["step"] * 2
+    monkeypatch.undo()
+    params = jax.tree.map(np.asarray, state.params)
+    assert relative_error(params, serial_state(mlp, MLP, BATCH, STEPS).params) <= 1e-5
+    stages_run = {t.stage for t in executable.timeline()}
+    assert stages_run == {0, 1, 2, 3}
+    assert len(executable.memory_stats()) == 4  # per stage, from its mesh's worker
+
+
 def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_worker(
     on_ray, monkeypatch
 ):

@@ -8,7 +8,6 @@ import pytest
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.schedules import (
     AUTO_SCHEDULE,
-    SCHEDULES,
     WORK_SHARE,
     PipelineSchedule,
     Schedule,
@@ -42,6 +41,9 @@ def W(stage, micro_batch):
 
 SIZES = [(n, m) for n in range(1, 7) for m in range(1, 10)]
 WHOLE_BACKWARD = ("gpipe", "1f1b")
+ONE_STAGE_PER_MESH = tuple(s.value for s in PipelineSchedule if not s.interleaves)
+# (meshes n, stages per mesh v, micro-batches m): m a multiple of n
+INTERLEAVED = [(n, v, k * n) for n in range(1, 5) for v in range(1, 4) for k in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("name", WHOLE_BACKWARD)
@@ -107,7 +109,7 @@ def test_zero_bubble_table_by_hand():
 @pytest.mark.parametrize(("n", "m"), SIZES)
 def test_in_flight_micro_batches(n, m):
     """What the planner asks without a table equals what the table keeps in flight."""
-    for name in SCHEDULES:
+    for name in ONE_STAGE_PER_MESH:
         schedule = make_schedule(name, n, m)
         for mesh in range(n):
             planned = PipelineSchedule.parse(name).in_flight(n - 1 - mesh, m)
@@ -118,7 +120,7 @@ def test_in_flight_micro_batches(n, m):
         assert gpipe.max_in_flight(mesh) == m
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ONE_STAGE_PER_MESH)
 @pytest.mark.parametrize(("n", "m"), [(1, 1), (2, 3), (4, 8), (4, 2), (6, 9)])
 def test_step_time_is_the_table_timed_for_equal_stages(name, n, m):
     """c·Σ t + (m − c)·max t is the table's makespan when every stage takes t per micro-batch,
@@ -126,6 +128,64 @@ def test_step_time_is_the_table_timed_for_equal_stages(name, n, m):
     schedule = PipelineSchedule.parse(name)
     times = schedule.table(n, m).timed(lambda task: WORK_SHARE[task.kind] * 3.0)
     assert max(end for _, end in times.values()) == pytest.approx(schedule.step_time([3.0] * n, m))
+
+
+@pytest.mark.parametrize(("n", "v", "m"), INTERLEAVED)
+def test_interleaved_table_is_valid_shares_meshes_and_shrinks_the_bubble(n, v, m):
+    """n·v stages on n meshes, stage s on mesh s mod n; 2mv + 2(n−1) clocks of chunk work (1F1B:
+    2(m + n − 1) clocks of v chunks each); the stage DP's formula is the table timed; what the
+    planner reads per stage is what the table holds."""
+    schedule = make_schedule("interleaved_1f1b", n * v, m, n)
+    schedule.validate()
+    assert (schedule.num_meshes, schedule.stages_per_mesh) == (n, v)
+    assert schedule.num_compute_clocks == 2 * m * v + 2 * (n - 1)
+    for mesh in range(n):
+        tasks = schedule.tasks_of_mesh(mesh)
+        assert {t.stage for t in tasks} == {mesh + c * n for c in range(v)}
+    assert schedule.clocks[-v:] == tuple(tuple(A(r * n + i) for i in range(n)) for r in range(v))
+    interleaved = PipelineSchedule.INTERLEAVED_1F1B
+    times = schedule.timed(lambda task: WORK_SHARE[task.kind] * 3.0)
+    makespan = max(end for _, end in times.values())
+    assert makespan == pytest.approx(3.0 * (m * v + n - 1))
+    assert makespan == pytest.approx(interleaved.step_time([3.0] * (n * v), m, n))
+    in_flight = interleaved.stage_in_flight(n * v, m, n)
+    assert in_flight == tuple(schedule.max_in_flight(s) for s in range(n * v))
+    for s, flight in enumerate(in_flight):  # the bound the squeezes use
+        assert flight <= interleaved.in_flight(n * v - 1 - s, m)
+    assert in_flight[0] == min(m, 2 * n if v > 1 else n)
+
+
+def test_interleaved_table_by_hand():
+    """Megatron-LM's order: forwards through chunk a then b, n micro-batches at a time."""
+    text = make_schedule("interleaved_1f1b", 4, 4, 2).to_text()
+    assert text.splitlines() == [
+        "interleaved_1f1b: 4 stages on 2 meshes, 4 micro-batches, 18 compute clocks + 2 apply "
+        "clocks",
+        "mesh 0: F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a .   B2b .   B3b B2a B3a Aa  Ab",
+        "mesh 1: .   F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a .   Aa  Ab",
+    ]
+
+
+def test_step_time_uses_the_busiest_mesh():
+    """Unequal stages: the steady state runs at the pace of the mesh with the most work."""
+    interleaved = PipelineSchedule.INTERLEAVED_1F1B
+    latencies = [1.0, 2.0, 3.0, 1.0]  # mesh 0: 1 + 3, mesh 1: 2 + 1
+    assert interleaved.step_time(latencies, 8, 2) == pytest.approx(7 / 2 + (8 - 1 / 2) * 4)
+    assert PipelineSchedule.ONE_F_ONE_B.step_time(latencies, 8) == pytest.approx(7 + 7 * 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("interleaved_1f1b", 4, 4), "needs num_meshes"),
+        (("interleaved_1f1b", 5, 4, 2), "num_stages=5 is not a multiple of num_meshes=2"),
+        (("interleaved_1f1b", 4, 3, 2), "num_micro_batches=3 must be a multiple of the 2"),
+        (("1f1b", 4, 4, 2), "use pipeline_schedule='interleaved_1f1b' to share meshes"),
+    ],
+)
+def test_interleaved_bad_inputs(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        make_schedule(*args)
 
 
 def test_candidate_schedules():
@@ -207,7 +267,7 @@ GOOD = make_schedule("1f1b", 2, 3)
         (_with_cell(GOOD, 2, 0, F(0, 1)), r"forward\(stage=0, micro_batch=1\) runs twice"),
         (_with_cell(GOOD, 2, 0, F(0, 3)), r"is not a task of 3 micro-batches"),
         (_with_cell(GOOD, 7, 0, None), r"1 tasks never run, e.g. backward\(stage=0, micro_batch=2"),
-        (_with_cell(GOOD, 8, 1, None), "the last clock must be apply"),
+        (_with_cell(GOOD, 8, 1, None), r"the last 1 clock\(s\) must apply every stage"),
         (
             dataclasses.replace(GOOD, clocks=GOOD.clocks[:1] + ((None,),) + GOOD.clocks[1:]),
             "clock 1 has 1 meshes, expected 2",

@@ -11,10 +11,11 @@ import pytest
 
 from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
 from autopar.planner.errors import InvalidArgumentError, PlanningError
-from autopar.planner.schedules import PipelineSchedule
+from autopar.planner.schedules import PipelineSchedule, make_schedule
 from autopar.planner.stages import (
     StageCost,
     forces_batch_dim,
+    interleaved_stages,
     logical_mesh_shapes,
     manual_stages,
     place_submeshes,
@@ -541,3 +542,92 @@ def test_place_submeshes_packs_whole_hosts_then_slices():
 def test_place_submeshes_errors(shapes, match):
     with pytest.raises(InvalidArgumentError, match=match):
         place_submeshes(shapes, 2, 4)
+
+
+# --- interleaved 1F1B's stages ----------------------------------------------------------------
+
+
+def _interleaved_step(latencies, num_micro_batches: int, num_meshes: int) -> float:
+    """(1/v)·Σ t + (m − 1/v)·max over meshes of the sum of its stages' t, written out here."""
+    c = num_meshes / len(latencies)
+    loads = [sum(latencies[d::num_meshes]) for d in range(num_meshes)]
+    return c * sum(latencies) + (num_micro_batches - c) * max(loads)
+
+
+def _interleaved_brute_force(num_layers, n, v, m, submesh, logical, table, memory):
+    """Least slowest stage over every split of the layers into n·v ranges on (submesh,
+    logical), each stage at its fastest alternative within memory/v (inf: none fits)."""
+    flight = [make_schedule("interleaved_1f1b", n * v, m, n).max_in_flight(s) for s in range(n * v)]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, num_layers), n * v - 1):
+        slowest = 0.0
+        for s, (a, b) in enumerate(itertools.pairwise((0, *cuts, num_layers))):
+            fits = [
+                c.latency_s
+                for c in _as_tuple(table[a, b, submesh, logical])
+                if c.static_memory_bytes + flight[s] * c.activation_memory_bytes <= memory / v
+            ]
+            slowest = max(slowest, min(fits, default=math.inf))
+        best = min(best, slowest)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_interleaved_stages_balance_the_slowest_stage_like_brute_force(seed):
+    """Valid (equal sub-meshes, stage s on mesh s mod n, fits 1/v of memory with the table's
+    micro-batches in flight, priced by the schedule's step); its slowest stage is the least any
+    split on its mesh allows; it has a plan exactly when brute force finds one."""
+    rng = np.random.default_rng(1000 + seed)
+    num_layers = int(rng.integers(2, 8))
+    cluster = [(1, 2), (1, 4), (2, 2)][int(rng.integers(3))]
+    m = int(rng.choice([4, 8]))
+    v = int(rng.choice([1, 2]))
+    table, memory = _random_table(rng, num_layers, cluster, "power_of_two", "all", True)
+    option = AutoStageOption(submesh_logical_shape_space="all")
+    candidates = [
+        (s, logical, cluster[0] * cluster[1] // (s[0] * s[1]))
+        for s in submesh_shapes(*cluster)
+        for logical in logical_mesh_shapes(s, "all")
+        if s[0] * s[1] < cluster[0] * cluster[1]
+    ]
+    brute = {
+        (s, logical): _interleaved_brute_force(num_layers, n, v, m, s, logical, table, memory)
+        for s, logical, n in candidates
+        if n * v <= num_layers and m % n == 0
+    }
+    args = (num_layers, *cluster, m, lambda *a: table[a], memory, option, v)
+    if all(best == math.inf for best in brute.values()):
+        with pytest.raises(PlanningError, match=f"num_virtual_stages={v} has no plan"):
+            interleaved_stages(*args)
+        return
+    solution = interleaved_stages(*args)
+    stages = solution.stages
+    n = solution.num_meshes
+    assert solution.stages_per_mesh == v and len(stages) == n * v and m % n == 0
+    assert [s.layers[0] for s in stages] == [0] + [s.layers[1] for s in stages[:-1]]
+    assert stages[-1].layers[1] == num_layers
+    assert len({(s.submesh, s.logical_mesh) for s in stages}) == 1
+    flight = make_schedule("interleaved_1f1b", n * v, m, n)
+    for k, stage in enumerate(stages):
+        assert stage.cost in _as_tuple(table[(*stage.layers, stage.submesh, stage.logical_mesh)])
+        need = stage.cost.static_memory_bytes
+        need += flight.max_in_flight(k) * stage.cost.activation_memory_bytes
+        assert need <= memory / v
+    latencies = [s.cost.latency_s for s in stages]
+    assert solution.step_latency_s == pytest.approx(_interleaved_step(latencies, m, n))
+    assert max(latencies) == pytest.approx(brute[stages[0].submesh, stages[0].logical_mesh])
+
+
+def test_interleaved_stages_uniform_option_and_errors():
+    cost_fn = _layer_cost([1.0] * 8)
+    uniform = interleaved_stages(8, 1, 4, 4, cost_fn, 1e9, UniformStageOption(2), 2)
+    assert [s.layers for s in uniform.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert {s.submesh for s in uniform.stages} == {(1, 2)}
+    # 4 stages of 2 layers on 2 devices (1 s each) on 2 meshes, 4 micro-batches: (m·v + n − 1)·t
+    assert uniform.step_latency_s == pytest.approx(9.0)
+    with pytest.raises(PlanningError, match="micro-batches a multiple of the n meshes"):
+        interleaved_stages(8, 1, 4, 3, cost_fn, 1e9, UniformStageOption(2), 2)
+    with pytest.raises(PlanningError, match=r"skipped: 2 meshes of \(1, 2\)"):
+        interleaved_stages(3, 1, 4, 4, cost_fn, 1e9, UniformStageOption(2), 2)
+    with pytest.raises(InvalidArgumentError, match="num_virtual_stages=0"):
+        interleaved_stages(8, 1, 4, 4, cost_fn, 1e9, UniformStageOption(2), 0)

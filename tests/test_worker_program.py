@@ -17,14 +17,15 @@ import autopar
 from autopar.models import MLPConfig, mlp
 from autopar.runtime.layout import PipelineLayout, PlaceInput, RunTask
 from autopar.runtime.transport import SocketTransport, TransferTimeoutError
-from autopar.runtime.worker_program import Free, Receive, Send, worker_programs
+from autopar.runtime.worker_program import Copy, Free, Receive, Send, worker_programs
 
 
-def _layout(stages: int, micro_batches: int, schedule: str) -> PipelineLayout:
-    config = MLPConfig(in_dim=32, hidden=32, out_dim=32, num_layers=4)
+def _layout(stages: int, micro_batches: int, schedule: str, layers: int = 4) -> PipelineLayout:
+    """An MLP of `layers` layers in `stages` uniform stages (meshes, for interleaved 1F1B)."""
+    config = MLPConfig(in_dim=32, hidden=32, out_dim=32, num_layers=layers)
     method = autopar.PipeshardParallel(
         num_micro_batches=micro_batches,
-        layer_option=autopar.AutoLayerOption(layer_num=4),
+        layer_option=autopar.AutoLayerOption(layer_num=layers),
         stage_option=autopar.UniformStageOption(stages),
         pipeline_schedule=schedule,
     )
@@ -34,39 +35,46 @@ def _layout(stages: int, micro_batches: int, schedule: str) -> PipelineLayout:
 
 
 def _run_symbolically(layout: PipelineLayout) -> dict[int, list]:
-    """Every stage's program run in lockstep, a `Receive` waiting for its `Send`: per stage,
-    the tasks in the order they ran. Fails on a deadlock, a read of a value the stage does not
-    hold, or a value freed while a later task of the stage still reads it."""
+    """Every mesh's program run in lockstep, a `Receive` waiting for its `Send`: per stage, the
+    tasks in the order they ran. Fails on a deadlock, a read of a value the stage does not hold,
+    or a value freed while a later task of the stage still reads it."""
     programs = worker_programs(layout)
     position = [0] * len(programs)
     sent: set[tuple] = set()
-    held: list[set] = [set() for _ in programs]
-    ran: dict[int, list] = {s: [] for s in range(len(programs))}
+    held: dict[int, set] = {s: set() for s in range(layout.num_stages)}
+    ran: dict[int, list] = {s: [] for s in range(layout.num_stages)}
     while any(p < len(program) for p, program in zip(position, programs, strict=True)):
         progressed = False
-        for s, program in enumerate(programs):
-            while position[s] < len(program):
-                instruction = program[position[s]]
+        for m, program in enumerate(programs):
+            while position[m] < len(program):
+                instruction = program[position[m]]
                 if isinstance(instruction, Receive):
-                    if (instruction.key, instruction.source, s) not in sent:
-                        break  # waits for the other stage
-                    held[s].add(instruction.key)
+                    if (instruction.key, instruction.source, instruction.stage) not in sent:
+                        break  # waits for the other mesh
+                    held[instruction.stage].add(instruction.key)
                 elif isinstance(instruction, PlaceInput):
-                    held[s].add(instruction.key)
-                elif isinstance(instruction, Send):
-                    assert instruction.key in held[s], f"stage {s} sends {instruction.key} early"
-                    sent.add((instruction.key, s, instruction.target))
+                    held[instruction.stage].add(instruction.key)
+                elif isinstance(instruction, (Send, Copy)):
+                    source = instruction.source
+                    assert instruction.key in held[source], f"stage {source} sends early"
+                    assert layout.schedule.mesh_of(source) == m
+                    if isinstance(instruction, Copy):
+                        held[instruction.target].add(instruction.key)
+                    else:
+                        sent.add((instruction.key, source, instruction.target))
                 elif isinstance(instruction, Free):
+                    s = instruction.stage
                     for key in instruction.keys:
-                        later = _reads_later(program[position[s] + 1 :], key)
+                        later = _reads_later(program[position[m] + 1 :], key, s)
                         assert not later, f"stage {s} frees {key} before {later[0]} reads it"
                         held[s].discard(key)
                 else:
+                    s = instruction.segment.stage
                     missing = _reads(held[s], instruction) - held[s]
                     assert not missing, f"{instruction} on stage {s} reads unheld {missing}"
                     held[s].update(layout.writes_of(instruction.segment, instruction.micro_batch))
                     ran[s].append((instruction.segment.kind.value, instruction.micro_batch))
-                position[s] += 1
+                position[m] += 1
                 progressed = True
         assert progressed, f"the programs deadlock at positions {position}"
     return ran
@@ -78,12 +86,15 @@ def _reads(held: set, run: RunTask) -> set:
     return {(v, j) if (v, j) in held else (v, None) for v in run.segment.reads}
 
 
-def _reads_later(program, key) -> list:
+def _reads_later(program, key, stage: int) -> list:
     var, j = key
     return [
         i
         for i in program
-        if isinstance(i, RunTask) and var in i.segment.reads and j in (None, i.micro_batch)
+        if isinstance(i, RunTask)
+        and i.segment.stage == stage
+        and var in i.segment.reads
+        and j in (None, i.micro_batch)
     ]
 
 
@@ -96,27 +107,85 @@ def _reads_later(program, key) -> list:
         (4, 2, "gpipe"),
         (2, 4, "zero_bubble"),
         (4, 4, "zero_bubble"),
+        (2, 4, "interleaved_1f1b"),
     ],
 )
-def test_stage_programs_run_together_in_the_schedule_order(stages, micro_batches, schedule):
+def test_mesh_programs_run_together_in_the_schedule_order(stages, micro_batches, schedule):
     layout = _layout(stages, micro_batches, schedule)
+    meshes = layout.schedule.num_meshes
+    assert meshes == stages and layout.num_stages == layout.schedule.stages_per_mesh * stages
     ran = _run_symbolically(layout)
-    for s in range(stages):
+    for s in range(layout.num_stages):
         expected = [
             (t.kind.value, t.micro_batch)
-            for t in layout.schedule.tasks_of_mesh(s)
-            if t.micro_batch is not None
+            for t in layout.schedule.tasks_of_mesh(layout.schedule.mesh_of(s))
+            if t.micro_batch is not None and t.stage == s
         ]
         assert [r for r in ran[s] if r[0] != "apply"] == expected
         assert any(kind == "apply" for kind, _ in ran[s])
     programs = worker_programs(layout)
+    assert len(programs) == meshes
     sends = sum(isinstance(i, Send) for p in programs for i in p)
     receives = sum(isinstance(i, Receive) for p in programs for i in p)
     assert sends == receives > 0
-    # Frees are merged: no two in a row.
+    # Frees are merged: no two in a row for one stage.
     for program in programs:
         for a, b in zip(program, program[1:], strict=False):
-            assert not (isinstance(a, Free) and isinstance(b, Free))
+            assert not (isinstance(a, Free) and isinstance(b, Free) and a.stage == b.stage)
+
+
+def _clipped_step(params, batch):
+    """Four layers, an update clipped by the global gradient norm: every stage's apply reads
+    the squared norms of every other stage's gradients."""
+
+    def loss(p):
+        h0 = jnp.tanh(batch["x"] @ p["w0"])
+        autopar.mark_pipeline_boundary()
+        h1 = jnp.tanh(h0 @ p["w1"])
+        autopar.mark_pipeline_boundary()
+        h2 = jnp.tanh(h1 @ p["w2"])
+        autopar.mark_pipeline_boundary()
+        return jnp.mean((h2 @ p["w3"] - batch["y"]) ** 2)
+
+    value, grads = autopar.value_and_grad(loss)(params)
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    scale = 0.1 / jnp.maximum(1.0, norm)
+    return jax.tree.map(lambda w, g: w - scale * g, params, grads), value
+
+
+def _clipped_inputs():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = {f"w{i}": jax.random.normal(keys[i], (16, 16)) / 4 for i in range(4)}
+    batch = {"x": jax.random.normal(keys[4], (16, 16)), "y": jax.random.normal(keys[5], (16, 16))}
+    return params, batch
+
+
+def test_interleaved_stages_on_one_mesh_hand_values_over_without_a_transfer():
+    """2 meshes x 2 virtual stages: a value the apply of a stage reads from the other stage on
+    its mesh (the global norm's parts) is handed over by a `Copy` on the worker; values between
+    meshes are sent. The step matches jax.jit."""
+    method = autopar.PipeshardParallel(
+        num_micro_batches=4,
+        stage_option=autopar.UniformStageOption(2),
+        pipeline_schedule="interleaved_1f1b",
+    )
+    step = autopar.parallelize(_clipped_step, method=method)
+    params, batch = _clipped_inputs()
+    executable = step.get_executable(params, batch)
+    layout = executable.layout
+    assert layout.num_stages == 4 and layout.schedule.num_meshes == 2
+    _run_symbolically(layout)
+    programs = worker_programs(layout)
+    mesh_of = layout.schedule.mesh_of
+    copies = [i for p in programs for i in p if isinstance(i, Copy)]
+    assert copies and all(mesh_of(i.source) == mesh_of(i.target) for i in copies)
+    sends = [i for p in programs for i in p if isinstance(i, Send)]
+    assert sends and all(mesh_of(i.source) != mesh_of(i.target) for i in sends)
+    new, loss = executable(params, batch)
+    want, want_loss = jax.jit(_clipped_step)(params, batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name in params:
+        np.testing.assert_allclose(new[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------- transport
