@@ -1,8 +1,9 @@
 """Benchmark: the Ray runtime's overhead and the pipeline bubble it achieves.
 
-The same GPT pipeline plan (S stages of 1x(8/S) simulated CPU devices, M micro-batches, 1F1B)
-runs on the local executor and on Ray mesh workers (one actor per stage, one call per worker per
-step, activations and gradients worker to worker). Per case, medians over the timed steps:
+The same GPT pipeline plan (S meshes of 1x(8/S) simulated CPU devices, M micro-batches, 1F1B, or
+interleaved 1F1B with two layer chunks per mesh) runs on the local executor and on Ray mesh
+workers (one actor per mesh, one call per worker per step, activations and gradients worker to
+worker). Per case, medians over the timed steps:
 
 * wall step time of both, and (Ray - local) / M: the end-to-end overhead per micro-batch. On this
   2-core machine S worker processes share two cores, so wall time also counts the other workers'
@@ -15,9 +16,9 @@ step, activations and gradients worker to worker). Per case, medians over the ti
   - the step's device span, and the span of the same schedule replayed with the same task
     durations and free, instant transfers (`_replay`); their difference / M is the runtime's own
     cost per micro-batch on the critical path (transfers, placing inputs, freeing, dispatch);
-  - the bubble, 1 - (mean busy time of a stage / span of the forward and backward tasks),
-    measured, replayed (what the schedule gives these stage times), and (S-1)/(M+S-1) (what it
-    gives equal stages).
+  - the bubble, 1 - (mean busy time of a mesh / span of the forward and backward tasks),
+    measured, replayed (what the schedule gives these stage times), and (S-1)/(vM+S-1) (what it
+    gives equal stages, v chunks per mesh).
 
     python benchmarks/ray_pipeline.py [--steps 5]
 
@@ -45,14 +46,23 @@ from autopar.planner.schedules import Schedule, TaskKind  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CONFIG = GPTConfig(num_layers=4, hidden=128, seq_len=64)
-CASES = ((2, 8), (2, 16), (4, 8), (4, 16))  # (stages, micro-batches)
+# (meshes, schedule, micro-batches)
+CASES = (
+    (2, "1f1b", 8),
+    (2, "1f1b", 16),
+    (4, "1f1b", 8),
+    (4, "1f1b", 16),
+    (2, "interleaved_1f1b", 8),
+    (2, "interleaved_1f1b", 16),
+)
 
 
-def _method(stages: int, micro_batches: int) -> autopar.PipeshardParallel:
+def _method(meshes: int, schedule: str, micro_batches: int) -> autopar.PipeshardParallel:
     return autopar.PipeshardParallel(
         num_micro_batches=micro_batches,
         layer_option=autopar.AutoLayerOption(layer_num=4),
-        stage_option=autopar.UniformStageOption(stages),
+        stage_option=autopar.UniformStageOption(meshes),
+        pipeline_schedule=schedule,
     )
 
 
@@ -80,14 +90,18 @@ def _replay(schedule: Schedule, durations: dict[tuple, float]) -> tuple[float, f
     """(Step span, bubble) of `schedule` with each task taking its measured device time and
     transfers free (`Schedule.timed`); each mesh applies after its last gradient task."""
     times = schedule.timed(lambda t: durations[t.stage, t.kind, t.micro_batch])
-    done = [0.0] * schedule.num_stages
+    mesh = schedule.mesh_of
+    done = [0.0] * schedule.num_meshes
     for task, (_, end) in times.items():
-        done[task.stage] = max(done[task.stage], end)
-    span = max(d + durations.get((s, TaskKind.APPLY, None), 0.0) for s, d in enumerate(done))
-    busy = {
-        s: sum(d for (m, kind, _), d in durations.items() if m == s and kind is not TaskKind.APPLY)
-        for s in range(schedule.num_stages)
-    }
+        done[mesh(task.stage)] = max(done[mesh(task.stage)], end)
+    applies = [0.0] * schedule.num_meshes
+    busy = dict.fromkeys(range(schedule.num_meshes), 0.0)
+    for (s, kind, _), d in durations.items():
+        if kind is TaskKind.APPLY:
+            applies[mesh(s)] += d
+        else:
+            busy[mesh(s)] += d
+    span = max(d + a for d, a in zip(done, applies, strict=True))
     return span, _bubble(busy, max(done))
 
 
@@ -99,9 +113,9 @@ def _device_figures(tasks, schedule: Schedule) -> dict[str, float]:
         durations[key] = durations.get(key, 0.0) + t.device_end - t.device_start
     compute = [t for t in tasks if _kind(t) is not TaskKind.APPLY]
     compute_span = max(t.device_end for t in compute) - min(t.device_start for t in compute)
-    busy = {s: 0.0 for s in range(schedule.num_stages)}
+    busy = dict.fromkeys(range(schedule.num_meshes), 0.0)
     for t in compute:
-        busy[t.stage] += t.device_end - t.device_start
+        busy[schedule.mesh_of(t.stage)] += t.device_end - t.device_start
     ideal_span, ideal_bubble = _replay(schedule, durations)
     return {
         "device_span_s": max(t.device_end for t in tasks),
@@ -111,17 +125,18 @@ def _device_figures(tasks, schedule: Schedule) -> dict[str, float]:
     }
 
 
-def run_case(stages: int, micro_batches: int, steps: int) -> dict:
+def run_case(meshes: int, schedule: str, micro_batches: int, steps: int) -> dict:
     batch = gpt.make_batch(CONFIG, 8 * micro_batches)
     batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
     train_step = gpt.make_train_step(autopar.value_and_grad)
 
-    local = autopar.parallelize(train_step, method=_method(stages, micro_batches))
+    method = _method(meshes, schedule, micro_batches)
+    local = autopar.parallelize(train_step, method=method)
     local_times = _local_step_times(local, gpt.create_train_state(CONFIG), batch, steps)
 
     autopar.init("ray", cluster_spec=autopar.ClusterSpec.local(8))
     try:
-        remote = autopar.parallelize(train_step, method=_method(stages, micro_batches))
+        remote = autopar.parallelize(train_step, method=method)
         state = gpt.create_train_state(CONFIG)
         state, _ = remote(state, batch)
         executable = remote.get_executable(state, batch)
@@ -142,8 +157,11 @@ def run_case(stages: int, micro_batches: int, steps: int) -> dict:
     local_s, ray_s = statistics.median(local_times), statistics.median(wall)
     figures = {k: statistics.median(d[k] for d in device) for k in device[0]}
     runtime_s = figures["device_span_s"] - figures["ideal_span_s"]
+    per_mesh = executable.schedule.stages_per_mesh
     return {
-        "stages": stages,
+        "meshes": meshes,
+        "schedule": schedule,
+        "stages_per_mesh": per_mesh,
         "micro_batches": micro_batches,
         "local_step_s": local_s,
         "ray_step_s": ray_s,
@@ -154,21 +172,21 @@ def run_case(stages: int, micro_batches: int, steps: int) -> dict:
         "worker_bytes_per_step": statistics.median(sent),
         **figures,
         "runtime_per_micro_batch_ms": runtime_s / micro_batches * 1e3,
-        "bubble_schedule": (stages - 1) / (micro_batches + stages - 1),
+        "bubble_schedule": (meshes - 1) / (per_mesh * micro_batches + meshes - 1),
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| stages | micro-batches | local step (s) | Ray step (s) | wall overhead / mb (ms) | "
-        "driver dispatch / mb (ms) | calls / step | driver bytes beyond batch | worker bytes / "
-        "step | device span (s) | replayed span (s) | runtime / mb, device (ms) | bubble "
-        "measured | bubble replayed | (S-1)/(M+S-1) |",
-        "|" + "---|" * 15,
+        "| meshes | schedule | micro-batches | local step (s) | Ray step (s) | wall overhead / "
+        "mb (ms) | driver dispatch / mb (ms) | calls / step | driver bytes beyond batch | "
+        "worker bytes / step | device span (s) | replayed span (s) | runtime / mb, device (ms) "
+        "| bubble measured | bubble replayed | (S-1)/(vM+S-1) |",
+        "|" + "---|" * 16,
     ]
     for r in rows:
         lines.append(
-            f"| {r['stages']} | {r['micro_batches']} | {r['local_step_s']:.3f} | "
+            f"| {r['meshes']} | {r['schedule']} | {r['micro_batches']} | {r['local_step_s']:.3f} | "
             f"{r['ray_step_s']:.3f} | {r['wall_overhead_per_micro_batch_ms']:.1f} | "
             f"{r['dispatch_per_micro_batch_ms']:.2f} | {r['remote_calls_per_step']} | "
             f"{r['driver_bytes_beyond_batch']} | {r['worker_bytes_per_step'] / 2**20:.1f} MiB | "
@@ -185,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        rows = [run_case(s, m, args.steps) for s, m in tqdm(CASES, desc="pipelines")]
+        rows = [run_case(*case, args.steps) for case in tqdm(CASES, desc="pipelines")]
     finally:
         ray.shutdown()
     table = markdown(rows)
@@ -200,7 +218,7 @@ def main() -> None:
     (RESULTS / "ray_pipeline.md").write_text(
         "# Ray runtime: overhead and pipeline bubble\n\n"
         f"GPT {CONFIG.num_layers} layers, hidden {CONFIG.hidden}, seq {CONFIG.seq_len}, "
-        f"batch 8 per micro-batch (mb), 1F1B; median of {args.steps} steps; "
+        f"batch 8 per micro-batch (mb); median of {args.steps} steps; "
         "`make bench-ray` (`benchmarks/ray_pipeline.py`, whose docstring defines each column).\n"
         "The stages' worker processes share this machine's 2 CPU cores: wall figures count the "
         "other workers' compute; device figures come from each worker's own clock.\n\n"

@@ -38,14 +38,14 @@ from autopar.planner.errors import InvalidArgumentError, PlanningError
 from autopar.planner.intra import IntraOpConfig
 from autopar.planner.pipeline import StepParts
 from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
-from autopar.planner.plan import MeshPlan, OpGroupCost, Plan
+from autopar.planner.plan import MeshPlan, OpGroupCost, Plan, PlanMethod
 from autopar.planner.program import Program
 from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.stage_options import UniformStageOption
 from autopar.planner.summary import format_bytes, format_seconds
 
 TOP_OP_GROUPS = 5
-_ILP_METHODS = ("shard_parallel",)
+_ILP_METHODS = (PlanMethod.SHARD_PARALLEL,)
 
 
 @dataclasses.dataclass(frozen=True)

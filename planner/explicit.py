@@ -54,7 +54,15 @@ from autopar.planner.memory import (
     unreduced_sum_bytes,
     value_aval,
 )
-from autopar.planner.plan import MeshPlan, Plan, Predicted, Spec, StagePlan, replicated
+from autopar.planner.plan import (
+    MeshPlan,
+    Plan,
+    PlanMethod,
+    Predicted,
+    Spec,
+    StagePlan,
+    replicated,
+)
 from autopar.planner.program import Program
 from autopar.planner.roofline import Roofline, fresh_memory_s
 from autopar.planner.strategy import without_axes
@@ -200,7 +208,7 @@ def plan_data_parallel(
     stage_plan, once = _stage_plan(program, mesh, stage, gradients, once, k)
     sig = program.signature
     return Plan(
-        method=stage.value,
+        method=PlanMethod(stage.value),
         num_micro_batches=k,
         stages=(stage_plan,),
         predicted=predict(program, step, stage_plan, cluster, stage, gradients, once, k),

@@ -68,6 +68,7 @@ from autopar.planner.plan import (
     OpGroupCost,
     PartialSumLowering,
     Plan,
+    PlanMethod,
     Predicted,
     Spec,
     StagePlan,
@@ -525,7 +526,7 @@ class ShardingProblem:
         note += outcome
         sig = program.signature
         return Plan(
-            method="shard_parallel",
+            method=PlanMethod.SHARD_PARALLEL,
             num_micro_batches=self.num_micro_batches,
             stages=(stage,),
             predicted=predicted,

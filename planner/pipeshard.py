@@ -50,7 +50,7 @@ from autopar.planner.pipeline import (
     place_stages,
     stage_program,
 )
-from autopar.planner.plan import MeshPlan, Plan, Predicted, StagePlan
+from autopar.planner.plan import MeshPlan, Plan, PlanMethod, Predicted, StagePlan
 from autopar.planner.program import Program, StepSignature
 from autopar.planner.progress import progress
 from autopar.planner.schedules import PipelineSchedule
@@ -614,7 +614,7 @@ def plan_pipeshard(
     )
     sig = program.signature
     return Plan(
-        method="pipeshard_parallel",
+        method=PlanMethod.PIPESHARD_PARALLEL,
         num_micro_batches=k,
         stages=tuple(stage_plans),
         predicted=Predicted(
@@ -631,5 +631,5 @@ def plan_pipeshard(
         donated_inputs=sig.donated_inputs,
         fingerprint=program.fingerprint,
         notes=(note,),
-        pipeline_schedule=schedule.value,
+        pipeline_schedule=schedule,
     )

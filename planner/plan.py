@@ -11,6 +11,7 @@ Nodes are named by the op-graph ids of `planner.graph` (eqn paths like ``"12"`` 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
-from autopar.planner.schedules import Schedule, make_schedule
+from autopar.planner.schedules import PipelineSchedule, Schedule, make_schedule
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
@@ -176,11 +177,22 @@ class TracingRecord:
     layer_option: Mapping[str, Any] | None = None
 
 
+class PlanMethod(enum.StrEnum):
+    """What made a plan (compares equal to its value, which the JSON holds)."""
+
+    SHARD_PARALLEL = "shard_parallel"
+    PIPESHARD_PARALLEL = "pipeshard_parallel"
+    DATA_PARALLEL = "data_parallel"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """How to run one training step in parallel. See the module docstring."""
+    """How to run one training step in parallel. See the module docstring. `method` and
+    `pipeline_schedule` may be given as their values and are held as enums."""
 
-    method: str
+    method: PlanMethod
     num_micro_batches: int
     stages: tuple[StagePlan, ...]
     predicted: Predicted
@@ -190,9 +202,19 @@ class Plan:
     donated_inputs: tuple[int, ...] = ()
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
-    pipeline_schedule: str | None = None  # a `PipelineSchedule` value for pipelined plans
+    pipeline_schedule: PipelineSchedule | None = None  # pipelined plans only
     # How the step was traced for this plan; filled in by `autopar.api` (None: not recorded).
     tracing: TracingRecord | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in tuple(PlanMethod):
+            raise InvalidArgumentError(
+                f"plan method={self.method!r} is unknown; one of {[m.value for m in PlanMethod]}"
+            )
+        object.__setattr__(self, "method", PlanMethod(self.method))
+        if self.pipeline_schedule is not None:
+            schedule = PipelineSchedule.parse(self.pipeline_schedule)
+            object.__setattr__(self, "pipeline_schedule", schedule)
 
     @property
     def num_devices(self) -> int:

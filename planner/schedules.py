@@ -468,8 +468,9 @@ def interleaved_one_f_one_b(num_stages: int, num_micro_batches: int, num_meshes:
     return _simulate("interleaved_1f1b", orders, m, s)
 
 
-class PipelineSchedule(enum.Enum):
-    """The schedules a pipeline runs, and what the planner asks of one (module docstring)."""
+class PipelineSchedule(enum.StrEnum):
+    """The schedules a pipeline runs, and what the planner asks of one (module docstring);
+    each compares equal to its name."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"

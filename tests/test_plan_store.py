@@ -1,6 +1,7 @@
 """Plan files (`PlanFile`) run a saved plan without planning; the plan cache makes a second
 parallelize of the same program skip planning and never trusts a bad entry."""
 
+import json
 import logging
 
 import jax
@@ -111,3 +112,23 @@ def test_cache_key_covers_the_method(tmp_path, monkeypatch, caplog):
         _train(autopar.ShardParallel(devices=jax.devices()[:4]), steps=1)
     assert _solver_runs(caplog) == 1
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_plan_method_and_schedule_are_enums_that_read_and_write_their_values():
+    """A plan's method and schedule are enums; JSON holds their values, which compare equal."""
+    from autopar.planner.plan import PlanMethod
+    from autopar.planner.schedules import PipelineSchedule
+
+    step = autopar.parallelize(mlp.make_train_step(autopar.value_and_grad), method=PIPELINE)
+    plan = step.get_plan(
+        mlp.create_train_state(CONFIG, batch_size=2), mlp.make_batch(CONFIG, BATCH)
+    )
+    assert plan.method is PlanMethod.PIPESHARD_PARALLEL and plan.method == "pipeshard_parallel"
+    assert plan.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B
+    data = json.loads(plan.to_json())
+    assert (data["method"], data["pipeline_schedule"]) == ("pipeshard_parallel", "1f1b")
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again == plan and again.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B
+    data["method"] = "tensor_parallel"
+    with pytest.raises(autopar.InvalidArgumentError, match="method='tensor_parallel' is unknown"):
+        autopar.Plan.from_json(json.dumps(data))

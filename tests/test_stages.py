@@ -160,6 +160,9 @@ def _brute_force(
 ):
     """Least step over every layer split, sub-mesh and logical mesh choice that fits and packs."""
     num_devices = cluster[0] * cluster[1]
+    by_range = collections.defaultdict(list)
+    for (a, b, submesh, _), entry in table.items():
+        by_range[a, b] += [(submesh, cost) for cost in _as_tuple(entry)]
     best = math.inf
     for cuts in itertools.chain.from_iterable(
         itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
@@ -169,16 +172,12 @@ def _brute_force(
         choices = [
             [
                 (submesh, cost)
-                for (a, b, submesh, _), entry in table.items()
-                for cost in _as_tuple(entry)
-                if (a, b) == (start, end)
-                and _fits(cost, len(ranges) - 1 - k, memory, num_micro_batches, schedule)
+                for submesh, cost in by_range[start, end]
+                if _fits(cost, len(ranges) - 1 - k, memory, num_micro_batches, schedule)
             ]
             for k, (start, end) in enumerate(ranges)
         ]
-        for plan in itertools.product(*choices):
-            if sum(s[0] * s[1] for s, _ in plan) != num_devices:
-                continue
+        for plan in _using_every_device(choices, num_devices):
             latencies = [cost.latency_s for _, cost in plan]
             if min(latencies) < max(latencies) / tolerance:
                 continue
@@ -188,6 +187,19 @@ def _brute_force(
                 continue
             best = min(best, _step(latencies, num_micro_batches, schedule))
     return best
+
+
+def _using_every_device(choices, num_devices, chosen=()):
+    """Every pick of one (sub-mesh, cost) per stage whose sub-meshes hold `num_devices` devices
+    together (itertools.product, skipping picks that already hold too many)."""
+    if len(chosen) == len(choices):
+        if num_devices == 0:
+            yield chosen
+        return
+    for submesh, cost in choices[len(chosen)]:
+        size = submesh[0] * submesh[1]
+        if size <= num_devices:
+            yield from _using_every_device(choices, num_devices - size, (*chosen, (submesh, cost)))
 
 
 def _check_valid(solution, num_layers, cluster, num_micro_batches, table, memory, schedule="1f1b"):
