@@ -93,9 +93,7 @@ def on_ray(local_ray):
     assert _placement_groups() == []
 
 
-def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
-    # Before init: the local executor.
-    _, local_state, _, _ = parallel_steps(gpt, GPT, _pipeline(), BATCH, STEPS)
+def test_pipeline_on_two_workers_matches_serial(on_ray):
     on_ray(autopar.ClusterSpec.local(8))
     step, state, metrics, batch = parallel_steps(gpt, GPT, _pipeline(), BATCH, STEPS)
     executable = step.get_executable(state, batch)
@@ -105,7 +103,6 @@ def test_pipeline_on_two_workers_matches_serial_and_local(on_ray):
     assert {x.stage for x in leaves} == {0, 1}  # parameters stay on their stage's worker
     params = jax.tree.map(np.asarray, state.params)
     assert relative_error(params, serial_state(gpt, GPT, BATCH, STEPS).params) <= 1e-5
-    assert relative_error(params, local_state.params) <= 1e-5
     assert np.isfinite(np.asarray(metrics["loss"]))
     tasks = executable.timeline()
     assert {(t.stage, t.segment.split(".")[1]) for t in tasks} >= {
