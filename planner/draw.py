@@ -52,22 +52,28 @@ def pipeline_timeline(plan: Plan) -> tuple[Block, ...]:
     )
 
 
-def _stage_of_device(plan: Plan) -> dict[int, int]:
-    return {i: stage.index for stage in plan.stages for i in stage.mesh.device_indices}
+def _stages_of_device(plan: Plan) -> dict[int, list[int]]:
+    """The stages each device runs: one, or several with interleaved 1F1B's virtual stages."""
+    found: dict[int, list[int]] = {}
+    for stage in plan.stages:
+        for i in stage.mesh.device_indices:
+            found.setdefault(i, []).append(stage.index)
+    return found
 
 
 def _draw_devices(ax, plan: Plan, colours) -> None:
     hosts, per_host = plan.cluster.num_hosts, plan.cluster.devices_per_host
-    stage_of = _stage_of_device(plan)
+    stages_of = _stages_of_device(plan)
     for h in range(hosts):
         for d in range(per_host):
             index = h * per_host + d
-            stage = stage_of.get(index)
-            colour = "lightgrey" if stage is None else colours(stage)
+            stages = stages_of.get(index)
+            colour = "lightgrey" if stages is None else colours(stages[0])
             ax.add_patch(
                 Rectangle((d, hosts - 1 - h), 0.92, 0.92, facecolor=colour, edgecolor="black")
             )
-            label = f"{index}\n" + ("idle" if stage is None else f"stage {stage}")
+            named = "stage " if stages and len(stages) == 1 else "stages\n"
+            label = f"{index}\n" + ("idle" if not stages else named + "+".join(map(str, stages)))
             ax.text(d + 0.46, hosts - 1 - h + 0.46, label, ha="center", va="center", fontsize=7)
     ax.set_xlim(-0.1, per_host)
     ax.set_ylim(-0.1, hosts)

@@ -14,6 +14,7 @@ from conftest import parallel_steps, relative_error, serial_state
 import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
+from autopar.planner.draw import _stages_of_device
 from autopar.planner.intra import IntraOpConfig, ShardingProblem, Stash, plan_shard_parallel
 from autopar.planner.pipeline import place_stages, split_step
 from autopar.planner.pipeshard import (
@@ -125,7 +126,7 @@ def test_zero_bubble_runs_weight_gradients_as_their_own_tasks():
 
 
 @pytest.mark.parametrize("family", ["mlp", "gpt"])
-def test_interleaved_1f1b_shares_each_mesh_between_two_stages_and_matches(family):
+def test_interleaved_1f1b_shares_each_mesh_between_two_stages_and_matches(family, tmp_path):
     """2 sub-meshes x 2 virtual stages: stage s on the devices of stage s mod 2 (parameters
     read back from the outputs), each mesh's two stages planned within half its memory, the
     step priced by the interleaved formula."""
@@ -144,6 +145,10 @@ def test_interleaved_1f1b_shares_each_mesh_between_two_stages_and_matches(family
     expected = sum(latencies) / 2 + (MICRO_BATCHES - 1 / 2) * max(loads)
     assert plan.predicted.step_time_s == pytest.approx(expected)
     assert "2 stages on each of 2 meshes" in plan.summary()
+    devices = _stages_of_device(plan)
+    assert devices[meshes[0][0]] == [0, 2] and devices[meshes[1][0]] == [1, 3]
+    plan.draw(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_interleaved_1f1b_needs_a_stage_option_it_can_lay_out():
