@@ -408,15 +408,12 @@ def interleaved_stages(
             continue
         in_flight = pipe.schedule.stage_in_flight(n * v, num_micro_batches, n)
         for logical in logicals[submesh]:
-            stages = _balanced_ranges(
-                num_layers,
-                _even_ranges(num_layers, n * v) if uniform else n * v,
-                submesh,
-                logical,
-                cost_fn,
-                device_memory / v,
-                in_flight,
-            )
+            stage_at = _fitting_stages(cost_fn, submesh, logical, device_memory / v, in_flight)
+            if uniform:
+                ranges = _even_ranges(num_layers, n * v)
+            else:
+                ranges = _min_max_ranges(num_layers, n * v, stage_at)
+            stages = None if ranges is None else _assigned(ranges, stage_at, submesh, logical)
             if stages is not None:
                 latencies = [a.cost.latency_s for a in stages]
                 found.append(StageSolution(stages, pipe.step(latencies), v))
@@ -435,21 +432,23 @@ def interleaved_stages(
     return solution
 
 
-def _balanced_ranges(
-    num_layers: int,
-    stages: int | Sequence[tuple[int, int]],
+StageAt = Callable[[int, int, int], StageCost | None]
+"""stage_at(start, end, s): the fastest alternative of layers [start, end) as stage s that fits,
+or None."""
+
+
+def _fitting_stages(
+    cost_fn: CostFn,
     submesh: tuple[int, int],
     logical: tuple[int, int],
-    cost_fn: CostFn,
     memory: float,
     in_flight: Sequence[int],
-) -> tuple[StageAssignment, ...] | None:
-    """`stages` contiguous layer ranges on `submesh` as `logical` whose slowest stage is the
-    fastest (each stage at its fastest alternative within `memory`), or the given ranges
-    priced; None if they do not fit."""
+) -> StageAt:
+    """Stages on `submesh` as `logical`, each at its fastest alternative within `memory` with
+    the micro-batches `in_flight[s]` it holds as stage s."""
 
     @functools.cache
-    def stage(start: int, end: int, s: int) -> StageCost | None:
+    def stage_at(start: int, end: int, s: int) -> StageCost | None:
         fitting = [
             c
             for c in _alternatives(cost_fn(start, end, submesh, logical))
@@ -457,40 +456,51 @@ def _balanced_ranges(
         ]
         return min(fitting, key=lambda c: c.latency_s) if fitting else None
 
-    if not isinstance(stages, int):
-        costs = [stage(a, b, s) for s, (a, b) in enumerate(stages)]
-        if any(c is None for c in costs):
-            return None
-        return tuple(
-            StageAssignment(tuple(r), tuple(submesh), tuple(logical), c)
-            for r, c in zip(stages, costs, strict=True)
-        )
-    num_stages = stages
+    return stage_at
+
+
+def _min_max_ranges(
+    num_layers: int, num_stages: int, stage_at: StageAt
+) -> list[tuple[int, int]] | None:
+    """`num_stages` contiguous layer ranges whose slowest stage is the fastest (None: none fit)."""
     # best[s][end]: (slowest stage, start of stage s) of layers [0, end) in s + 1 stages
     best: list[dict[int, tuple[float, int]]] = [{} for _ in range(num_stages)]
     for end in range(1, num_layers - num_stages + 2):
-        cost = stage(0, end, 0)
+        cost = stage_at(0, end, 0)
         if cost is not None:
             best[0][end] = (cost.latency_s, 0)
     for s in range(1, num_stages):
         for end in range(s + 1, num_layers - num_stages + s + 2):
             options = []
             for start, (slowest, _) in best[s - 1].items():
-                cost = stage(start, end, s) if start < end else None
+                cost = stage_at(start, end, s) if start < end else None
                 if cost is not None:
                     options.append((max(slowest, cost.latency_s), start))
             if options:
                 best[s][end] = min(options)
     if num_layers not in best[-1]:
         return None
-    ends, end = [], num_layers
+    ranges, end = [], num_layers
     for s in range(num_stages - 1, -1, -1):
-        ends.append(end)
-        end = best[s][end][1]
-    ranges = list(zip([0, *ends[::-1][:-1]], ends[::-1], strict=True))
+        start = best[s][end][1]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
+
+
+def _assigned(
+    ranges: Sequence[tuple[int, int]],
+    stage_at: StageAt,
+    submesh: tuple[int, int],
+    logical: tuple[int, int],
+) -> tuple[StageAssignment, ...] | None:
+    """The stages of `ranges` priced by `stage_at`; None if one does not fit."""
+    costs = [stage_at(a, b, s) for s, (a, b) in enumerate(ranges)]
+    if any(c is None for c in costs):
+        return None
     return tuple(
-        StageAssignment((a, b), tuple(submesh), tuple(logical), stage(a, b, s))
-        for s, (a, b) in enumerate(ranges)
+        StageAssignment(tuple(r), tuple(submesh), tuple(logical), c)
+        for r, c in zip(ranges, costs, strict=True)
     )
 
 

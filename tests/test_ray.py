@@ -127,6 +127,19 @@ def test_zero_bubble_on_workers_matches_serial(on_ray, stages):
     assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
 
 
+def _count_remote_calls(monkeypatch) -> list[str]:
+    """The names of the actor methods the driver submits from now on, in order."""
+    submitted: list[str] = []
+    real_remote = ray.actor.ActorMethod._remote
+
+    def counted(self, *args, **kwargs):
+        submitted.append(self._method_name)
+        return real_remote(self, *args, **kwargs)
+
+    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", counted)
+    return submitted
+
+
 def test_interleaved_1f1b_runs_two_stages_per_worker_and_matches_serial(on_ray, monkeypatch):
     """2 meshes x 2 virtual stages: one worker per mesh hosts stages s and s+2, one call each
     per step; the state stays on the worker of the stage that reads it."""
@@ -136,14 +149,7 @@ def test_interleaved_1f1b_runs_two_stages_per_worker_and_matches_serial(on_ray, 
     assert executable.mesh_stages == [(0, 2), (1, 3)]
     assert [len(a) for a in executable.actors] == [1, 1]
     assert {x.stage for x in jax.tree.leaves(state.params)} == {0, 1, 2, 3}
-    submitted = []
-    real_remote = ray.actor.ActorMethod._remote
-
-    def counted(self, *args, **kwargs):
-        submitted.append(self._method_name)
-        return real_remote(self, *args, **kwargs)
-
-    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", counted)
+    submitted = _count_remote_calls(monkeypatch)
     for _ in range(STEPS - 1):
         submitted.clear()
         state, _ = step(state, batch)
@@ -169,14 +175,7 @@ def test_four_stage_1f1b_runs_one_call_per_worker_and_moves_values_worker_to_wor
     step, state, _, batch = parallel_steps(mlp, MLP, method, BATCH, 1)  # builds, compiles
     executable = step.get_executable(state, batch)
     assert [len(a) for a in executable.actors] == [1, 1, 1, 1]
-    submitted = []
-    real_remote = ray.actor.ActorMethod._remote
-
-    def counted(self, *args, **kwargs):
-        submitted.append(self._method_name)
-        return real_remote(self, *args, **kwargs)
-
-    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", counted)
+    submitted = _count_remote_calls(monkeypatch)
     for _ in range(STEPS - 1):
         submitted.clear()
         state, metrics = step(state, batch)
