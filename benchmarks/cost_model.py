@@ -13,9 +13,10 @@ Reported: predicted, measured, their ratio per model, and Kendall's τ between t
 Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
 timed to fit α and β, each predicted from the fitted figures against its own measurement.
 
-    python benchmarks/cost_model.py
+    python benchmarks/cost_model.py                      # one CPU device
+    JAX_PLATFORMS=cuda python benchmarks/cost_model.py   # one GPU (part 1 only: no collectives)
 
-Writes benchmarks/results/cost_model.json and cost_model.md.
+Writes benchmarks/results/cost_model.{json,md} (on a GPU: cost_model_gpu.{json,md}).
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ def _client(client):
     return client.step, client.args
 
 
+def _built(build):
+    """(step, args), or None where the model's library is not installed."""
+    try:
+        return build()
+    except ImportError as err:
+        print(f"  skipped: {err}", flush=True)
+        return None
+
+
 def _time_steps(step, args) -> float:
     """Median seconds of one step, the state (every argument but the last, the batch) carried
     from step to step as training does."""
@@ -135,7 +145,10 @@ def truth_table(spec) -> list[Row]:
     autopar.init("local", cluster_spec=spec)
     try:
         for name, build in _zoo():
-            step, args = build()
+            built = _built(build)
+            if built is None:
+                continue
+            step, args = built
             parallel = autopar.parallelize(step, batch_argnums=(len(args) - 1,))
             predicted = parallel.get_plan(*args).predicted
             measured = _time_steps(parallel, args)
@@ -201,8 +214,9 @@ def main() -> None:
     from autopar.runtime.cluster_profile import measure_cluster
 
     if len(jax.devices()) != 1:
-        raise SystemExit("run with ONE CPU device (unset XLA_FLAGS device counts)")
-    print("profiling this device ...", flush=True)
+        raise SystemExit("run with ONE device (unset XLA_FLAGS device counts)")
+    device = jax.devices()[0]
+    print(f"profiling this device ({device.device_kind}) ...", flush=True)
     profile = measure_cluster()
     spec = profile.spec
     print(json.dumps(spec.to_dict(), indent=1))
@@ -210,26 +224,29 @@ def main() -> None:
     tau = kendall_tau([r.predicted_s for r in rows], [r.measured_s for r in rows])
     within = sum(0.75 <= r.ratio <= 1.25 for r in rows)
     print(f"Kendall tau {tau:.3f}; {within}/{len(rows)} within ±25%")
-    print("collectives on 8 simulated devices ...", flush=True)
-    coll = collectives()
-    _write(spec, profile, rows, tau, coll)
+    on_cpu = device.platform == "cpu"
+    if on_cpu:
+        print("collectives on 8 simulated devices ...", flush=True)
+    coll = collectives() if on_cpu else None  # one GPU: no collective to time
+    described = "CPU device of this machine" if on_cpu else f"{device.device_kind} GPU"
+    _write(spec, profile, rows, tau, coll, described, "cost_model" if on_cpu else "cost_model_gpu")
 
 
-def _write(spec, profile, rows, tau, coll) -> None:
+def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     data = {
-        "device": "one real CPU device of this machine",
+        "device": f"one real {device}",
         "profile": profile.to_dict(),
         "rows": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows],
         "kendall_tau": tau,
         "within_25_percent": sum(0.75 <= r.ratio <= 1.25 for r in rows),
         "collectives_8_simulated_devices": coll,
     }
-    (RESULTS / "cost_model.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Cost model against measured step times",
         "",
-        "`make bench-costmodel` (`python benchmarks/cost_model.py`). ONE real CPU device, the",
+        f"`make bench-costmodel` (`python benchmarks/cost_model.py`). ONE real {device}, the",
         "`ClusterSpec` that `autopar.profile_cluster()` measured there, default options; measured",
         f"= median of {STEPS} steps after {WARMUP} warm-up steps.",
         "",
@@ -240,6 +257,8 @@ def _write(spec, profile, rows, tau, coll) -> None:
         f"| matmul bf16 | {spec.device_flops / 1e9:.1f} GFLOP/s |",
         f"| memory bandwidth | {spec.memory_bandwidth / 1e9:.2f} GB/s |",
         f"| kernel floor | {spec.kernel_overhead_s * 1e6:.2f} µs |",
+        f"| host: launching a program and waiting for it | {spec.launch_overhead_s * 1e6:.1f} µs "
+        f"+ {spec.buffer_overhead_s * 1e6:.2f} µs per input or output buffer |",
         f"| transcendentals (exp) | {spec.transcendental_rate / 1e9:.2f} Gelement/s |",
         f"| convolution (3x3, 64 channels) | {spec.conv_flops / 1e9:.1f} GFLOP/s |",
         f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
@@ -265,6 +284,15 @@ def _write(spec, profile, rows, tau, coll) -> None:
         "",
         f"Kendall τ between predicted and measured order: **{tau:.3f}**; "
         f"{data['within_25_percent']}/{len(rows)} models within ±25%.",
+    ]
+    if coll is not None:
+        lines += _collective_lines(coll)
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / stem}.md")
+
+
+def _collective_lines(coll: dict) -> list[str]:
+    lines = [
         "",
         "## Collectives on 8 simulated CPU devices",
         "",
@@ -278,8 +306,7 @@ def _write(spec, profile, rows, tau, coll) -> None:
         f"{c['predicted_s'] * 1e6:.1f} µs | {c['seconds'] * 1e6:.1f} µs | {c['ratio']:.2f} |"
         for c in coll["rows"]
     ]
-    (RESULTS / "cost_model.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / 'cost_model.md'}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ memory-bound work is free; transcendentals one FLOP per element, convolutions at
 transposes folded into their readers): the presets and `autopar.profile_cluster()` give real
 figures.
 
+A step starts on the host: the runtime launches its program and collects its results, a cost the
+devices do not see. `launch_overhead_s` is that cost for one program and `buffer_overhead_s` what
+each input and output buffer adds to it (`autopar.planner.roofline.launch_s`): a step that waits
+for its results pays them on top of its device time (the host is idle meanwhile), and a pipeline
+pays them per task. Small models on GPUs spend much of their step there.
+
 A step also writes its temporaries, and on a CPU that costs more than bandwidth where the
 allocator hands them out afresh every step: glibc maps an allocation of `fresh_memory_threshold`
 bytes or more (its largest dynamic mmap threshold, 32 MiB) from the kernel and unmaps it when
@@ -50,7 +56,10 @@ _POSITIVE_FIELDS = (
     *("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth"),
     "fresh_memory_threshold",
 )
-_NON_NEGATIVE_FIELDS = ("intra_host_latency", "inter_host_latency", "kernel_overhead_s")
+_NON_NEGATIVE_FIELDS = (
+    *("intra_host_latency", "inter_host_latency", "kernel_overhead_s"),
+    *("launch_overhead_s", "buffer_overhead_s"),
+)
 _OPTIONAL_POSITIVE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -99,6 +108,8 @@ class ClusterSpec:
     transposed_matmul_flops: float | None = None  # lhs contracting its major dim; None: peak
     fresh_memory_rate: float | None = None  # bytes/s of first writes to fresh pages; None: free
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
+    launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
+    buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:
@@ -253,6 +264,8 @@ class ClusterSpec:
             compute_efficiency=0.8,
             memory_efficiency=0.8,
             kernel_overhead_s=2e-6,  # ~2 µs: dispatching one fused loop
+            launch_overhead_s=5e-6,  # a jitted call on a 2-core machine (`profile_cluster`)
+            buffer_overhead_s=0.6e-6,
         )
 
 
@@ -266,6 +279,10 @@ _NETWORK_ALPHA = 8.4e-6 + 14e-6  # 22.4 µs
 # "Matrix Multiplication Background"), and a streaming copy at ~90% of HBM bandwidth (BabelStream
 # on V100/A100/H100). A kernel launch with its grid set-up costs a few µs (CUDA launch latency
 # ≈ 3–5 µs; XLA launches each fusion on its own).
+# The host's share of a step (JAX's dispatch of a program and its buffers) as `profile_cluster`
+# measured it on a lent H100 machine (16 vCPUs of a virtualised Xeon, jax 0.11, 2026-11-25;
+# benchmarks/results/cost_model_gpu.json): 50 µs to launch a program and wait for it, 1.9 µs
+# per input or output buffer.
 _GPU_COMPUTE_EFFICIENCY = 0.75
 _GPU_MEMORY_EFFICIENCY = 0.9
 _GPU_KERNEL_OVERHEAD_S = 4e-6
@@ -273,6 +290,8 @@ _GPU_EFFICIENCIES = {
     "compute_efficiency": _GPU_COMPUTE_EFFICIENCY,
     "memory_efficiency": _GPU_MEMORY_EFFICIENCY,
     "kernel_overhead_s": _GPU_KERNEL_OVERHEAD_S,
+    "launch_overhead_s": 50e-6,
+    "buffer_overhead_s": 1.9e-6,
 }
 
 _PRESETS: dict[str, ClusterSpec] = {

@@ -64,7 +64,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program
-from autopar.planner.roofline import Roofline, fresh_memory_s
+from autopar.planner.roofline import Roofline, fresh_memory_s, launch_s
 from autopar.planner.strategy import without_axes
 
 
@@ -585,7 +585,7 @@ def predict(
     flops, compute = _compute(program, step, cluster, stage, mesh.num_devices, k)
     compute += fresh_memory_s(memory - stored, cluster)
     return Predicted(
-        step_time_s=compute + comm,
+        step_time_s=compute + comm + launch_s(program.signature.num_buffers, cluster),
         compute_s=compute,
         communication_s=comm,
         memory_per_device_bytes=memory,

@@ -75,7 +75,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
-from autopar.planner.roofline import Roofline, fresh_memory_s
+from autopar.planner.roofline import Roofline, fresh_memory_s, launch_s
 from autopar.planner.strategy import Strategy, split_size, storage_specs, without_axes
 from autopar.planner.summary import format_bytes
 
@@ -916,9 +916,11 @@ def _emit(
         builder.spec_bytes(a.shape, a.dtype.itemsize, spec)
         for a, spec in zip(sig.input_avals, stage.input_specs, strict=True)
     )
-    compute += fresh_memory_s(peak - inputs, builder.roofline.cluster)
+    cluster = builder.roofline.cluster
+    compute += fresh_memory_s(peak - inputs, cluster)
+    step_time = compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute)
     predicted = Predicted(
-        step_time_s=compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute),
+        step_time_s=step_time + launch_s(sig.num_buffers, cluster),
         compute_s=compute,
         communication_s=blocking + overlap,
         memory_per_device_bytes=peak,

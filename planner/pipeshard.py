@@ -597,7 +597,10 @@ def plan_pipeshard(
             comm_bytes + p.communication_bytes,
             flops + p.flops,
         )
-    step = schedule.step_time(latencies, k, meshes)
+    # One host launches every task, while the devices run the ones before: the step is as long
+    # as the slower of the devices' schedule and the host's launches.
+    tasks = len(ranges) * k * (3 if schedule.splits_backward else 2)
+    step = max(schedule.step_time(latencies, k, meshes), tasks * cluster.launch_overhead_s)
     mesh_peaks = [sum(peaks[i::meshes]) for i in range(meshes)]
     elapsed = time.perf_counter() - start_time
     shapes = ", ".join(

@@ -23,12 +23,13 @@ from autopar.planner.schedules import PipelineSchedule, Schedule, make_schedule
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 9
-# Versions 6 to 8 differ only in their cluster dict, which lacks fields added since: 6 the
+PLAN_FORMAT_VERSION = 10
+# Versions 6 to 9 differ only in their cluster dict, which lacks fields added since: 6 the
 # roofline's figures (memory bandwidth, dtype peaks, efficiencies, kernel floor), 7 the rates of
 # transcendentals, convolutions and transposes, 8 the weight-gradient matmul rate and the fresh
-# memory figures. `ClusterSpec.from_dict` fills the defaults.
-READABLE_FORMAT_VERSIONS = (6, 7, 8, PLAN_FORMAT_VERSION)
+# memory figures, 9 the host's launch and buffer overheads. `ClusterSpec.from_dict` fills the
+# defaults.
+READABLE_FORMAT_VERSIONS = (6, 7, 8, 9, PLAN_FORMAT_VERSION)
 
 
 def replicated(ndim: int) -> Spec:

@@ -24,6 +24,11 @@ class StepSignature:
     donated_inputs: tuple[int, ...]
     output_to_input: tuple[int | None, ...]
 
+    @property
+    def num_buffers(self) -> int:
+        """Input and output buffers of one launch of the step (what its dispatch handles)."""
+        return len(self.input_avals) + len(self.output_avals)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Program:

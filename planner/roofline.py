@@ -56,6 +56,13 @@ def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec
     return max(compute, nbytes / (cluster.memory_bandwidth * cluster.memory_efficiency))
 
 
+def launch_s(num_buffers: int, cluster: ClusterSpec) -> float:
+    """Host seconds to launch one program with `num_buffers` input and output buffers and
+    collect its results (JAX's dispatch), which a step that waits for its results adds to its
+    device time."""
+    return cluster.launch_overhead_s + num_buffers * cluster.buffer_overhead_s
+
+
 def fresh_memory_s(temp_bytes: float, cluster: ClusterSpec) -> float:
     """Seconds a step spends faulting in its `temp_bytes` of temporaries (one block) where the
     allocator maps them afresh every step: from `fresh_memory_threshold` bytes, at

@@ -8,6 +8,8 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
 - `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
 - `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
+- `launch_overhead_s`, `buffer_overhead_s`: Python's dispatch, the host's cost to launch a
+  program and wait for it, and what each input or output buffer adds (`microbench.measure_launch`);
 - `transcendental_rate`, `conv_flops`, `transpose_bandwidth`: the rates of the op classes the
   roofline prices on their own (`autopar.planner.roofline`): `exp` over a streaming buffer
   (elements/s), a 3x3 convolution (FLOP/s), transposes of 1 MiB planes (bytes/s);
@@ -49,6 +51,7 @@ from autopar.planner.progress import progress_bar
 from autopar.runtime.microbench import (
     CollectiveTiming,
     KernelTiming,
+    LaunchTiming,
     MatmulKind,
     MatmulTiming,
     ProfileSizes,
@@ -59,6 +62,7 @@ from autopar.runtime.microbench import (
     measure_convolution,
     measure_fresh_memory,
     measure_kernel_floor,
+    measure_launch,
     measure_matmuls,
     measure_stream,
     measure_transcendental,
@@ -73,6 +77,7 @@ __all__ = [
     "ClusterProfile",
     "CollectiveTiming",
     "KernelTiming",
+    "LaunchTiming",
     "MatmulKind",
     "MatmulTiming",
     "ProfileSizes",
@@ -102,6 +107,7 @@ class ClusterProfile:
     matmul: tuple[MatmulTiming, ...]
     stream: StreamTiming
     kernel: KernelTiming
+    launch: LaunchTiming
     rates: tuple[RateTiming, ...]
     collectives: tuple[CollectiveTiming, ...]
     unmeasured: tuple[str, ...]
@@ -114,6 +120,7 @@ class ClusterProfile:
             "matmul": [_record_dict(t) for t in self.matmul],
             "stream": _record_dict(self.stream),
             "kernel": _record_dict(self.kernel),
+            "launch": _record_dict(self.launch),
             "rates": [_record_dict(t) for t in self.rates],
             "collectives": [_record_dict(t) for t in self.collectives],
             "unmeasured": list(self.unmeasured),
@@ -139,6 +146,7 @@ class ClusterProfile:
                 matmul=tuple(_record(MatmulTiming, r) for r in d["matmul"]),
                 stream=_record(StreamTiming, d["stream"]),
                 kernel=_record(KernelTiming, d["kernel"]),
+                launch=_record(LaunchTiming, d["launch"]),
                 rates=tuple(_record(RateTiming, r) for r in d["rates"]),
                 collectives=tuple(_record(CollectiveTiming, r) for r in d["collectives"]),
                 unmeasured=tuple(str(f) for f in d["unmeasured"]),
@@ -161,6 +169,8 @@ class ClusterProfile:
             "highest",
             f"  memory (per device): {_si(s.memory_bandwidth)}B/s streaming, "
             f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
+            f"  host: {s.launch_overhead_s * 1e6:.1f} us to launch a program, "
+            f"{s.buffer_overhead_s * 1e6:.2f} us per input or output buffer",
             f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
             f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
@@ -253,6 +263,7 @@ def build_spec(
     matmul: Sequence[MatmulTiming],
     stream: StreamTiming,
     kernel: KernelTiming,
+    launch: LaunchTiming,
     rates: Sequence[RateTiming],
     collectives: Sequence[CollectiveTiming],
 ) -> tuple[ClusterSpec, tuple[str, ...]]:
@@ -285,6 +296,8 @@ def build_spec(
         compute_efficiency=1.0,  # achieved rates, not datasheet peaks
         memory_efficiency=1.0,
         kernel_overhead_s=kernel.per_kernel_s,
+        launch_overhead_s=launch.launch_s,
+        buffer_overhead_s=launch.per_buffer_s,
         **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
         **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free
     )
@@ -372,6 +385,8 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         bar.update()
         kernel = measure_kernel_floor(local, sizes)
         bar.update()
+        launch = measure_launch(local, sizes)
+        bar.update()
         rates = []
         for measure in (
             measure_transcendental,
@@ -386,12 +401,13 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:
         bar.close()
-    spec, unmeasured = build_spec(devices, matmul, stream, kernel, rates, collectives)
+    spec, unmeasured = build_spec(devices, matmul, stream, kernel, launch, rates, collectives)
     profile = ClusterProfile(
         spec,
         tuple(matmul),
         stream,
         kernel,
+        launch,
         tuple(rates),
         tuple(collectives),
         unmeasured,
@@ -403,8 +419,8 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
 
 def profile_cluster(devices: Any = None) -> ClusterSpec:
     """A `ClusterSpec` of `devices` measured on them: matmul rates, memory bandwidth, kernel
-    floor, the rates of transcendentals, convolutions and transposes, and per-axis link latency
-    and bandwidth (see `measure_cluster` for `devices`).
+    floor, the host's launch cost, the rates of transcendentals, convolutions and transposes,
+    and per-axis link latency and bandwidth (see `measure_cluster` for `devices`).
 
     Example::
 

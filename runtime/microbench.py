@@ -1,6 +1,7 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
 floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
-transposes) and collectives, timed on the devices themselves.
+transposes), the host's cost to launch a program, and collectives, timed on the devices
+themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
 figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
@@ -78,6 +79,7 @@ class ProfileSizes:
     matmul_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)  # square m = k = n
     stream_bytes: int = 64 * MIB  # per device buffer of the streaming kernel
     kernel_ops: int = 256  # tiny ops in the kernel-floor program (against 1)
+    launch_buffers: int = 64  # inputs (and as many outputs) of the launch program (against 1)
     collective_bytes: tuple[int, ...] = tuple(256 * KIB * 4**i for i in range(6))  # to 256 MiB
     chain: int = 4  # ops per timed program
     repeats: int = 5  # timed runs per program (the least counts)
@@ -92,9 +94,9 @@ class ProfileSizes:
                     f"ProfileSizes.{name}={value!r} must be a non-empty tuple of increasing "
                     "positive ints"
                 )
-        for name in ("stream_bytes", "kernel_ops", "chain", "repeats"):
+        for name in ("stream_bytes", "kernel_ops", "launch_buffers", "chain", "repeats"):
             value = getattr(self, name)
-            least = 2 if name in ("kernel_ops", "chain") else 1
+            least = 2 if name in ("kernel_ops", "launch_buffers", "chain") else 1
             if not _positive_int(value) or value < least:
                 raise InvalidArgumentError(
                     f"ProfileSizes.{name}={value!r} must be an int of at least {least}"
@@ -153,6 +155,26 @@ class KernelTiming:
     def per_kernel_s(self) -> float:
         """(t_N − t_1) / (N − 1), at least 0: one kernel's floor without the dispatch."""
         return max(0.0, (self.seconds_many - self.seconds_one) / (self.num_kernels - 1))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchTiming:
+    """One call (launch and wait for the results) of a program that does no work, with one
+    input and one output buffer against `num_buffers` of each: the host's share of a step."""
+
+    num_buffers: int
+    seconds_one: float
+    seconds_many: float
+
+    @property
+    def per_buffer_s(self) -> float:
+        """What one more input or output buffer adds to a launch, at least 0."""
+        return max(0.0, (self.seconds_many - self.seconds_one) / (2 * (self.num_buffers - 1)))
+
+    @property
+    def launch_s(self) -> float:
+        """A launch without its buffers, at least 0."""
+        return max(0.0, self.seconds_one - 2 * self.per_buffer_s)
 
 
 class RateKind(enum.Enum):
@@ -410,6 +432,26 @@ def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> 
     chained = _compiled(wrap(_chained(jnp.matmul, sizes.kernel_ops)), x, (w,))
     many, _ = _timed_calls(chained, x, (w,), 1, sizes.repeats)
     return KernelTiming(sizes.kernel_ops, one, many)
+
+
+def measure_launch(devices: Sequence[jax.Device], sizes: ProfileSizes) -> LaunchTiming:
+    """Calls of a program that hands its donated inputs back as its outputs (no kernel runs),
+    each waited for, with 1 and `sizes.launch_buffers` float32 inputs on every device: the
+    least time of `20 * sizes.repeats` calls each (noise only ever adds time)."""
+    mesh, d = _local_mesh(devices), len(devices)
+
+    def least_call_s(n: int) -> float:
+        xs = [_filled(mesh, (d,), jnp.float32, 1.0) for _ in range(n)]
+        compiled = jax.jit(lambda *x: x, donate_argnums=tuple(range(n))).lower(*xs).compile()
+        xs = jax.block_until_ready(compiled(*xs))
+        times = []
+        for _ in range(20 * sizes.repeats):
+            start = time.perf_counter()
+            xs = jax.block_until_ready(compiled(*xs))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return LaunchTiming(sizes.launch_buffers, least_call_s(1), least_call_s(sizes.launch_buffers))
 
 
 _OPS: dict[Collective, Callable[[jax.Array, str], jax.Array]] = {

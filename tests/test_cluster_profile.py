@@ -20,6 +20,7 @@ from autopar.runtime import cluster_profile
 from autopar.runtime.cluster_profile import (
     ClusterProfile,
     CollectiveTiming,
+    LaunchTiming,
     MatmulKind,
     ProfileSizes,
     RateKind,
@@ -32,6 +33,7 @@ SMALL = ProfileSizes(
     matmul_sizes=(64,),
     stream_bytes=256 * KIB,
     kernel_ops=16,
+    launch_buffers=8,
     collective_bytes=(4 * KIB, 64 * KIB),
     chain=2,
     repeats=3,
@@ -66,6 +68,7 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
     assert 0 < spec.intra_host_bandwidth < 1e13 and 0 < spec.inter_host_bandwidth < 1e13
     assert 0 <= spec.intra_host_latency < 0.1 and 0 <= spec.inter_host_latency < 0.1
     assert 0 <= spec.kernel_overhead_s < 0.01
+    assert 0 < spec.launch_overhead_s < 0.01 and 0 <= spec.buffer_overhead_s < 0.001
     assert 1e6 < spec.transcendental_rate < 1e13  # elements/s
     assert 1e7 < spec.conv_flops < 1e14
     assert 1e6 < spec.transpose_bandwidth < 1e13
@@ -102,6 +105,20 @@ def test_each_op_class_rate_sets_its_spec_field(one):
         assert t.work > 0 and t.seconds > 0
         assert getattr(one.spec, t.kind.spec_field) == t.rate == t.work / t.seconds
     assert "transcendentals" in one.summary()
+
+
+def test_the_launch_timing_splits_into_a_launch_and_a_cost_per_buffer(one):
+    """t(n buffers in, n out) = launch + 2n x per-buffer, fitted to n = 1 and n = 8; the spec
+    holds both parts and the summary names them."""
+    launch = one.launch
+    assert launch.num_buffers == SMALL.launch_buffers and launch.seconds_one > 0
+    assert one.spec.launch_overhead_s == launch.launch_s
+    assert one.spec.buffer_overhead_s == launch.per_buffer_s
+    made_up = LaunchTiming(num_buffers=11, seconds_one=50e-6, seconds_many=90e-6)
+    assert made_up.per_buffer_s == pytest.approx(2e-6)  # 40 µs over 20 more buffers
+    assert made_up.launch_s == pytest.approx(46e-6)
+    assert LaunchTiming(11, 50e-6, 40e-6).per_buffer_s == 0.0  # noise: never negative
+    assert "to launch a program" in one.summary()
 
 
 def test_one_device_has_no_link_and_says_so(one):
@@ -187,6 +204,8 @@ def test_bad_sizes_are_named():
         ProfileSizes(chain=1)
     with pytest.raises(autopar.InvalidArgumentError, match="increasing positive ints"):
         ProfileSizes(matmul_sizes=(1024, 512))
+    with pytest.raises(autopar.InvalidArgumentError, match="launch_buffers=1 .* at least 2"):
+        ProfileSizes(launch_buffers=1)
     with pytest.raises(autopar.InvalidArgumentError, match="sizes='big' must be a ProfileSizes"):
         measure_cluster(sizes="big")
 

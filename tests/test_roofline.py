@@ -23,6 +23,7 @@ F32 = np.dtype("float32")
 
 _RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # added in format 8
 _FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memory_threshold")
+_FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -32,6 +33,7 @@ _ROOFLINE_FIELDS = (
     "kernel_overhead_s",
     *_RATE_FIELDS,
     *_FORMAT_9_FIELDS,
+    *_FORMAT_10_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -72,6 +74,8 @@ def test_peak_depends_on_dtype_and_precision():
         ("transcendental_rate", 0.0),
         ("conv_flops", -1.0),
         ("transpose_bandwidth", float("nan")),
+        ("launch_overhead_s", -1e-6),
+        ("buffer_overhead_s", float("nan")),
     ],
 )
 def test_roofline_fields_are_validated(field, value):
@@ -242,8 +246,13 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
 
 @pytest.mark.parametrize(
     "version, missing",
-    [(6, _ROOFLINE_FIELDS), (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS)), (8, _FORMAT_9_FIELDS)],
-    ids=["format 6", "format 7", "format 8"],
+    [
+        (6, _ROOFLINE_FIELDS),
+        (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS)),
+        (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS)),
+        (9, _FORMAT_10_FIELDS),
+    ],
+    ids=["format 6", "format 7", "format 8", "format 9"],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
@@ -260,3 +269,35 @@ def test_older_plan_files_still_load(version, missing):
 
 def test_rates_round_trip_through_json():
     assert ClusterSpec.from_dict(json.loads(json.dumps(CPU.to_dict()))) == CPU
+
+
+LAUNCH = dataclasses.replace(CPU, launch_overhead_s=1e-3, buffer_overhead_s=1e-5)
+NO_LAUNCH = dataclasses.replace(CPU, launch_overhead_s=0.0, buffer_overhead_s=0.0)
+
+
+@pytest.mark.parametrize("method", [None, autopar.DataParallel()], ids=["ILP", "DataParallel"])
+def test_a_step_pays_its_launch_and_each_buffer_on_the_host(method):
+    """A step that waits for its results adds the host's launch and per-buffer costs to the
+    device time: here 1 ms + 10 µs for each of the MLP's inputs and outputs."""
+    step, state, data = abstract_train_inputs(mlp, MLPConfig(64, 64, 64, 2), 64)
+    buffers = len(jax.tree.leaves((state, data))) + len(jax.tree.leaves(state)) + 1  # + loss
+    launched, free = (
+        autopar.plan(step, state, data, cluster_spec=spec, method=method).predicted
+        for spec in (LAUNCH, NO_LAUNCH)
+    )
+    assert launched.compute_s == pytest.approx(free.compute_s)
+    assert launched.step_time_s - free.step_time_s == pytest.approx(1e-3 + buffers * 1e-5)
+
+
+def test_a_pipeline_is_no_faster_than_its_host_launches_its_tasks():
+    """Every forward and backward task of every stage and micro-batch is one launch from one
+    host: with launches slower than any stage, the step is their sum."""
+    step, state, data = abstract_train_inputs(mlp, MLPConfig(64, 64, 64, 4), 32)
+    method = autopar.PipeshardParallel(
+        num_micro_batches=4,
+        layer_option=autopar.AutoLayerOption(layer_num=2),
+        stage_option=autopar.UniformStageOption(2),
+    )
+    slow_host = dataclasses.replace(ClusterSpec.local(2), launch_overhead_s=1.0)
+    plan = autopar.plan(step, state, data, cluster_spec=slow_host, method=method)
+    assert plan.predicted.step_time_s == 2 * 4 * 2 * 1.0  # stages x micro-batches x (F, B)
