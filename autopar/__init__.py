@@ -9,10 +9,10 @@ def train_step(state, batch):
 from autopar.api import ParallelizedFunc, explain, parallelize, plan
 from autopar.checkpoint import restore_checkpoint, save_checkpoint
 from autopar.context import init, shutdown, simulate_cpu_devices
+from autopar.create_state import CreateStateParallel
 from autopar.data import prefetch_batches
 from autopar.markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import (
-    CreateStateParallel,
     DataParallel,
     FollowParallel,
     PipeshardParallel,

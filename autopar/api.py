@@ -11,9 +11,7 @@ from typing import Any
 import jax
 
 from autopar.context import current_runtime
-from autopar.create_state import StateCreator
 from autopar.methods import (
-    CreateStateParallel,
     ParallelMethod,
     PipeshardParallel,
     PlanRequest,
@@ -57,7 +55,7 @@ def _check_method(method: Any) -> ParallelMethod:
     if not isinstance(method, ParallelMethod):
         raise InvalidArgumentError(
             "method must be ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, "
-            f"PipeshardParallel, PlanFile or FollowParallel, got {method!r}"
+            f"PipeshardParallel, PlanFile, FollowParallel or CreateStateParallel, got {method!r}"
         )
     return method
 
@@ -242,15 +240,8 @@ class ParallelizedFunc:
             raise InvalidArgumentError(f"parallelize expects a function, got {fun!r}")
         functools.update_wrapper(self, fun)
         self.fun = fun
-        if isinstance(method, CreateStateParallel):
-            if not isinstance(method.train_step, ParallelizedFunc):
-                raise InvalidArgumentError(
-                    "CreateStateParallel places the state of a step made by autopar.parallelize, "
-                    f"got {method.train_step!r}"
-                )
-            self.method, self._creator = method, StateCreator(fun, method)
-        else:
-            self.method, self._creator = _check_method(method), None
+        self.method = _check_method(method)
+        self._runner = self.method.runner(fun)  # runs fun by another step's plan, or None
         self._static_argnums = static_argnums
         # An eval step returns no new state: by default it must not consume the train state.
         follows = not self.method.returns_state and donate_argnums == "auto"
@@ -269,10 +260,11 @@ class ParallelizedFunc:
         return self._batch_argnums
 
     def _argnums(self, args: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
-        if self._creator is not None:
+        if self._runner is not None:
             raise InvalidArgumentError(
-                "a CreateStateParallel function is only called; its placement is the train "
-                "step's plan (train_step.get_plan)"
+                f"a function parallelized with {type(self.method).__name__} is only called: it "
+                "runs by another step's plan and has none of its own (ask that step, e.g. "
+                "train_step.get_plan)"
             )
         return resolve_argnums(
             args, self._static_argnums, self._batch_argnums, self._donate_argnums
@@ -347,8 +339,8 @@ class ParallelizedFunc:
         return executable, leaves
 
     def __call__(self, *args: Any) -> Any:
-        if self._creator is not None:
-            return self._creator(*args)
+        if self._runner is not None:
+            return self._runner(*args)
         all_leaves, signature = _call_signature(args)
         found = self._dispatch.get(signature) if signature is not None else None
         if found is not None:

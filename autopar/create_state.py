@@ -9,6 +9,7 @@ on one device, and the train step reads the result without moving it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import jax
 
 from autopar.context import current_runtime
-from autopar.methods import CreateStateParallel
+from autopar.methods import ParallelMethod
 from autopar.planner.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,44 @@ logger = logging.getLogger(__name__)
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | jax.ShapeDtypeStruct) or hasattr(x, "__jax_array__")
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateStateParallel(ParallelMethod):
+    """Compile a state-initialisation function so its outputs are born where `train_step`'s
+    plan stores them: each device computes only its shards, and no device ever holds the whole
+    state. The outputs must be the train state `train_step` takes as argument `state_argnum`.
+    The function has no plan of its own: it runs by `train_step`'s (`runner`).
+
+    Args:
+      train_step: the `ParallelizedFunc` whose plan places the state.
+      other_args: `train_step`'s other arguments (e.g. an example batch; arrays or
+        `jax.ShapeDtypeStruct`s), in order, without the state.
+      state_argnum: where the state goes among `train_step`'s arguments.
+    """
+
+    train_step: Any
+    other_args: tuple[Any, ...]
+    state_argnum: int = 0
+    devices: Any = None  # `train_step`'s
+    num_micro_batches: int | None = None  # `train_step`'s
+
+    def __init__(self, train_step: Any, *other_args: Any, state_argnum: int = 0) -> None:
+        object.__setattr__(self, "train_step", train_step)
+        object.__setattr__(self, "other_args", other_args)
+        object.__setattr__(self, "state_argnum", state_argnum)
+        if not isinstance(state_argnum, int) or not 0 <= state_argnum <= len(other_args):
+            raise InvalidArgumentError(
+                f"state_argnum must be an int in [0, {len(other_args)}], got {state_argnum!r}"
+            )
+
+    def runner(self, fun: Callable) -> StateCreator:
+        if not callable(getattr(self.train_step, "get_executable", None)):
+            raise InvalidArgumentError(
+                "CreateStateParallel places the state of a step made by autopar.parallelize, "
+                f"got {self.train_step!r}"
+            )
+        return StateCreator(fun, self)
 
 
 class StateCreator:

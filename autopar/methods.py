@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -106,6 +106,11 @@ class ParallelMethod:
         """The plan of `request.traced`, and the traced step it is for (`request.traced`, or the
         step traced again with recomputed layers)."""
         raise NotImplementedError
+
+    def runner(self, fun: Callable) -> Callable | None:
+        """What runs `fun` when a method places its outputs by another step's plan instead of
+        planning it (`CreateStateParallel`); None: `fun` is traced, planned and compiled."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,34 +469,6 @@ def _followed_inputs(traced: TracedStep, src: Any) -> tuple[tuple[str, Spec], ..
                 pinned.append((path, spec))
                 break
     return tuple(pinned)
-
-
-@dataclasses.dataclass(frozen=True)
-class CreateStateParallel:
-    """Compile a state-initialisation function so its outputs are born where `train_step`'s
-    plan stores them: each device computes only its shards, and no device ever holds the whole
-    state. The outputs must be the train state `train_step` takes as argument `state_argnum`.
-
-    Args:
-      train_step: the `ParallelizedFunc` whose plan places the state.
-      other_args: `train_step`'s other arguments (e.g. an example batch; arrays or
-        `jax.ShapeDtypeStruct`s), in order, without the state.
-      state_argnum: where the state goes among `train_step`'s arguments.
-    """
-
-    train_step: Any
-    other_args: tuple[Any, ...]
-    state_argnum: int = 0
-    returns_state: ClassVar[bool] = True
-
-    def __init__(self, train_step: Any, *other_args: Any, state_argnum: int = 0) -> None:
-        object.__setattr__(self, "train_step", train_step)
-        object.__setattr__(self, "other_args", other_args)
-        object.__setattr__(self, "state_argnum", state_argnum)
-        if not isinstance(state_argnum, int) or not 0 <= state_argnum <= len(other_args):
-            raise InvalidArgumentError(
-                f"state_argnum must be an int in [0, {len(other_args)}], got {state_argnum!r}"
-            )
 
 
 Method = ParallelMethod

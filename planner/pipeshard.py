@@ -488,10 +488,11 @@ def _fastest_schedule(
     cost_fn: CostFn,
     device_memory: float,
     config: PipelineConfig,
+    launch_s: float,
 ) -> tuple[PipelineSchedule, StageSolution]:
     """The stages searched under each of the config's schedules, and the schedule whose
-    stages step fastest (the first on ties); the first schedule's error where none has a
-    plan."""
+    stages step fastest, the host's launches of their tasks included (the first on ties); the
+    first schedule's error where none has a plan."""
     found, errors = [], []
     for schedule in config.schedules:
         try:
@@ -499,8 +500,11 @@ def _fastest_schedule(
         except PlanningError as error:
             errors.append(error)
             continue
-        found.append((solution.step_latency_s, len(found), schedule, solution))
-        logger.info("%s: predicted step %.4g s", schedule.value, solution.step_latency_s)
+        k = config.num_micro_batches
+        host = schedule.host_time(len(solution.stages), k, launch_s)
+        step = max(solution.step_latency_s, host)
+        found.append((step, len(found), schedule, solution))
+        logger.info("%s: predicted step %.4g s", schedule.value, step)
     if not found:
         raise errors[0]
     _, _, schedule, solution = min(found, key=lambda f: f[:2])
@@ -547,7 +551,9 @@ def plan_pipeshard(
     start_time = time.perf_counter()
     costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     memory = config.intra.budget(cluster)
-    schedule, solution = _fastest_schedule(parts.num_layers, cluster_shape, costs, memory, config)
+    schedule, solution = _fastest_schedule(
+        parts.num_layers, cluster_shape, costs, memory, config, cluster.launch_overhead_s
+    )
     dp_seconds = time.perf_counter() - start_time
     ranges = [a.layers for a in solution.stages]
     placement = place_stages(parts, ranges)
@@ -597,10 +603,10 @@ def plan_pipeshard(
             comm_bytes + p.communication_bytes,
             flops + p.flops,
         )
-    # One host launches every task, while the devices run the ones before: the step is as long
+    # One host launches every task while the devices run the ones before: the step is as long
     # as the slower of the devices' schedule and the host's launches.
-    tasks = len(ranges) * k * (3 if schedule.splits_backward else 2)
-    step = max(schedule.step_time(latencies, k, meshes), tasks * cluster.launch_overhead_s)
+    host = schedule.host_time(len(ranges), k, cluster.launch_overhead_s)
+    step = max(schedule.step_time(latencies, k, meshes), host)
     mesh_peaks = [sum(peaks[i::meshes]) for i in range(meshes)]
     elapsed = time.perf_counter() - start_time
     shapes = ", ".join(

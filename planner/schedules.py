@@ -515,6 +515,16 @@ class PipelineSchedule(enum.StrEnum):
     def splits_backward(self) -> bool:
         return self is PipelineSchedule.ZERO_BUBBLE
 
+    def tasks_per_step(self, num_stages: int, num_micro_batches: int) -> int:
+        """Tasks a step runs: a forward and a backward per stage and micro-batch, the backward
+        as two (input and weight gradients) where the schedule splits it."""
+        return num_stages * num_micro_batches * (3 if self.splits_backward else 2)
+
+    def host_time(self, num_stages: int, num_micro_batches: int, launch_s: float) -> float:
+        """Seconds one host takes to launch every task of a step, `launch_s` each: a step is
+        never shorter, however fast the devices run them."""
+        return self.tasks_per_step(num_stages, num_micro_batches) * launch_s
+
     def in_flight(self, stages_after: int, num_micro_batches: int) -> int:
         """Micro-batches whose activations a stage with `stages_after` stages after it holds at
         once: what its table's `max_in_flight` says, without the table. For interleaved 1F1B,

@@ -10,6 +10,7 @@ import pytest
 from conftest import relative_error, serial_state
 
 import autopar
+from autopar.methods import ParallelMethod
 from autopar.models import MLPConfig, mlp
 
 CONFIG = MLPConfig(in_dim=64, hidden=64, out_dim=64, num_layers=4)
@@ -77,6 +78,9 @@ def test_create_state_checks_what_it_returns():
     )
     with pytest.raises(autopar.InvalidArgumentError, match="cannot take .* AttributeError"):
         create()
+    assert isinstance(create.method, ParallelMethod)  # a method like the others, run, not planned
+    with pytest.raises(autopar.InvalidArgumentError, match="CreateStateParallel is only called"):
+        create.get_plan()
     with pytest.raises(autopar.InvalidArgumentError, match="autopar.parallelize"):
         autopar.parallelize(lambda: 0, method=autopar.CreateStateParallel(lambda s, b: s, batch))
     with pytest.raises(autopar.InvalidArgumentError, match="state_argnum"):
