@@ -28,7 +28,7 @@ from autopar.planner.program import Program
 from autopar.planner.schedules import PipelineSchedule
 from autopar.remat import RematTrace
 from autopar.runtime.executable import Executable
-from autopar.runtime.executors import StepToBuild
+from autopar.runtime.executors import StepToBuild, StepToTime
 from autopar.tracing import (
     ArrayTree,
     TracedStep,
@@ -67,6 +67,7 @@ def _planned(
     cluster: ClusterSpec,
     devices: Sequence[jax.Device],
     remat_trace: RematTrace,
+    stage_timer: Callable[[], Any] | None = None,
 ) -> tuple[TracedStep, Plan]:
     """The plan of `traced` and the traced step it is for (`ParallelMethod.plan_step`): a
     cached one, or a new one (then cached, unless it recomputes layers: it is for another
@@ -76,7 +77,7 @@ def _planned(
     found = cache and cache.load(key)
     if found:
         return traced, found
-    request = PlanRequest(traced, mesh, cluster, tuple(devices), remat_trace)
+    request = PlanRequest(traced, mesh, cluster, tuple(devices), remat_trace, stage_timer)
     traced_for, plan = method.plan_step(request)
     if plan.tracing is None:
         record = tracing_record(method.regather_params, method.layer_option)
@@ -302,7 +303,19 @@ class ParallelizedFunc:
             traced = trace_for_method(self.fun, args, self.method, argnums)
             abstract = abstract_arguments(args, argnums[0])
             remat = functools.partial(trace_for_method, self.fun, abstract, self.method, argnums)
-            traced, plan = _planned(traced, self.method, mesh, runtime.cluster_spec, devices, remat)
+            timing = StepToTime(
+                self.fun,
+                abstract,
+                argnums,
+                tracing_record(self.method.regather_params, self.method.layer_option),
+                self.method.num_micro_batches or 1,
+                traced.program.fingerprint,
+                tuple(devices[i] for i in mesh.device_indices) if devices else (),
+            )
+            timer = functools.partial(runtime.executor.stage_timer, timing)
+            traced, plan = _planned(
+                traced, self.method, mesh, runtime.cluster_spec, devices, remat, timer
+            )
             retrace = functools.partial(_retrace, self.fun, abstract, argnums=argnums)
             cluster = runtime.cluster_spec
             context = _planning_context(plan, traced, self.method, mesh, cluster, retrace)

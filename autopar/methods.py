@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import jax
@@ -62,14 +63,18 @@ def _check_mesh_rank(method: str, devices: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
     """What a method plans from: the traced step, the mesh it plans for on `cluster`, the devices
-    the plan will run on (none when planning abstractly), and the step traced again with its
-    loss cut into recomputed layers (`autopar.remat`), for a method that needs that to fit."""
+    the plan will run on (none when planning abstractly or on Ray), the step traced again with
+    its loss cut into recomputed layers (`autopar.remat`), for a method that needs that to fit,
+    and where candidate stages are timed in profiling mode."""
 
     traced: TracedStep
     mesh: MeshPlan
     cluster: ClusterSpec
     devices: tuple[jax.Device, ...]
     remat_trace: RematTrace
+    # Where profiling mode times candidate stages (`Executor.stage_timer` bound to this step);
+    # None when planning without devices to run on (`autopar.plan`).
+    stage_timer: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 class ParallelMethod:
@@ -334,19 +339,18 @@ class PipeshardParallel(ParallelMethod):
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         if not self.profiles:
             return traced, plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
-        if not request.devices:
+        if request.stage_timer is None:
             raise InvalidArgumentError(
                 "AutoStageOption(profile=True) times stages on the devices, but this plan is "
-                "made without local devices (autopar.plan, or a Ray runtime); use "
-                "profile=False (the cost model) or run the step locally through "
-                "autopar.parallelize"
+                "made without devices to run on (autopar.plan); use profile=False (the cost "
+                "model) or plan through autopar.parallelize"
             )
-        run_on = [request.devices[i] for i in mesh.device_indices]
-        profiler = StageProfiler(parts, traced.program, cluster, config, run_on)
-        try:
-            plan = plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
-        finally:
-            profiler.close()
+        with request.stage_timer() as measure:
+            profiler = StageProfiler(parts, traced.program, cluster, config, measure)
+            try:
+                plan = plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
+            finally:
+                profiler.close()
         return traced, plan
 
 

@@ -43,7 +43,12 @@ def tracing_record(regather_params: bool, layer_option: LayerOption | None) -> T
 
 def layer_option_of(plan: Plan) -> LayerOption | None:
     """The layer option a plan's step was traced with (None: not pipelined)."""
-    record = dict(plan.tracing.layer_option or {}) if plan.tracing else {}
+    return layer_option_in(plan.tracing)
+
+
+def layer_option_in(tracing: TracingRecord | None) -> LayerOption | None:
+    """The layer option a tracing record holds (None: the loss is not cut into layers)."""
+    record = dict(tracing.layer_option or {}) if tracing else {}
     if not record:
         return None
     return _LAYER_OPTIONS[record.pop("kind")](**record)

@@ -434,12 +434,7 @@ def profile_cluster(devices: Any = None) -> ClusterSpec:
 def _measure_on_ray(cluster: Any, sizes: ProfileSizes) -> ClusterProfile:
     """`measure_cluster` run by one mesh worker per Ray host, joined into one SPMD program;
     the figures of host 0 (hosts are alike, as a ClusterSpec assumes)."""
-    if cluster.use_gpus and cluster.actors:
-        raise InvalidArgumentError(
-            f"profile_cluster on Ray needs the hosts' GPUs, but {len(cluster.actors)} mesh "
-            "worker(s) hold them: profile before the first step, or autopar.shutdown() and "
-            "autopar.init('ray') again"
-        )
+    cluster.check_devices_free("profile_cluster")
     spec = cluster.cluster_spec
     workers = [cluster.start_worker(h, spec.devices_per_host) for h in range(spec.num_hosts)]
     try:

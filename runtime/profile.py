@@ -8,6 +8,9 @@ parts for one micro-batch are compiled with that plan on the first devices of th
 of a few runs after a warm-up. Memory comes from the same plan: its state and stashed
 activations are the byte sizes of the planned shardings, its temporaries what XLA's compiled
 memory analysis reports. Candidates with the same structure on equal meshes are measured once.
+
+Where the timing runs is the executor's (`StageMeasure`): `measure_stage` on this process's
+devices, or on a Ray mesh worker that traces the step itself (`runtime.ray`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +52,16 @@ from autopar.runtime.interpreter import (
 logger = logging.getLogger(__name__)
 
 
+REPEATS = 5  # timed runs of a candidate stage (the median counts), after one warm-up
+
+StageMeasure = Callable[[StageProgram, StagePlan], tuple[float, float]]
+"""A candidate stage and its plan -> (seconds of its forward and backward for one micro-batch,
+temporary bytes XLA's memory analysis gives them), measured where the step will run."""
+
+
 class StageProfiler:
-    """The stage DP's cost_fn in profiling mode: each candidate measured on `devices`."""
+    """The stage DP's cost_fn in profiling mode: each candidate planned, then timed by
+    `measure` (`StageMeasure`)."""
 
     def __init__(
         self,
@@ -58,12 +69,10 @@ class StageProfiler:
         program: Program,
         cluster: ClusterSpec,
         config: PipelineConfig,
-        devices: Sequence[jax.Device],
-        repeats: int = 5,
+        measure: StageMeasure,
     ) -> None:
         self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
-        self.devices = tuple(devices)
-        self.repeats = repeats
+        self.measure = measure
         self.device_memory = config.intra.budget(cluster)
         self.ilp_solves = 0
         self._programs: dict[tuple[int, int], StageProgram] = {}
@@ -103,37 +112,7 @@ class StageProfiler:
         )
 
     def _measure(self, stage: StageProgram, plan: StagePlan) -> StageCost:
-        mesh = build_mesh(plan.mesh, self.devices)
-        rules = ShardingRules.from_stage(plan, mesh)
-        closed = stage.closed
-        eqns = stage.part("forward") + stage.part("backward")
-        reads = free_vars(eqns)
-        defined = {v for _, e in eqns for v in e.outvars}
-        results = list(stage.grads) + [v for v in closed.jaxpr.outvars if v in defined]
-        consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-        spec_of = dict(zip(closed.jaxpr.invars, plan.input_specs, strict=True))
-
-        def forward_backward(*args):
-            env = dict(consts)
-            env.update(zip(reads, args, strict=True))
-            evaluate_eqns(eqns, env, rules)
-            return [read(env, v) for v in results]
-
-        args = [
-            jnp.zeros(
-                v.aval.shape, v.aval.dtype, device=NamedSharding(mesh, partition_spec(spec_of[v]))
-            )
-            for v in reads
-        ]
-        compiled = jax.jit(forward_backward).lower(*args).compile()
-        jax.block_until_ready(compiled(*args))  # warm-up
-        times = []
-        for _ in range(self.repeats):
-            begin = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - begin)
-        latency = statistics.median(times)
-        temporaries = float(compiled.memory_analysis().temp_size_in_bytes)
+        latency, temporaries = self.measure(stage, plan)
         stash = stash_bytes(stage, plan)
         logger.debug(
             "stage layers %s on %s: %.3g s, %.3g temporary bytes",
@@ -148,3 +127,40 @@ class StageProfiler:
             static_memory_bytes=state_bytes(stage, plan) + max(0.0, temporaries - stash),
             activation_memory_bytes=stash,
         )
+
+
+def measure_stage(
+    stage: StageProgram, plan: StagePlan, devices: Sequence[jax.Device], repeats: int = REPEATS
+) -> tuple[float, float]:
+    """`StageMeasure` on `devices` (the plan's mesh on the first of them): the stage's forward
+    and backward compiled with its plan, run on zeros; the median of `repeats` timed runs."""
+    mesh = build_mesh(plan.mesh, devices)
+    rules = ShardingRules.from_stage(plan, mesh)
+    closed = stage.closed
+    eqns = stage.part("forward") + stage.part("backward")
+    reads = free_vars(eqns)
+    defined = {v for _, e in eqns for v in e.outvars}
+    results = list(stage.grads) + [v for v in closed.jaxpr.outvars if v in defined]
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    spec_of = dict(zip(closed.jaxpr.invars, plan.input_specs, strict=True))
+
+    def forward_backward(*args):
+        env = dict(consts)
+        env.update(zip(reads, args, strict=True))
+        evaluate_eqns(eqns, env, rules)
+        return [read(env, v) for v in results]
+
+    args = [
+        jnp.zeros(
+            v.aval.shape, v.aval.dtype, device=NamedSharding(mesh, partition_spec(spec_of[v]))
+        )
+        for v in reads
+    ]
+    compiled = jax.jit(forward_backward).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times), float(compiled.memory_analysis().temp_size_in_bytes)

@@ -22,6 +22,7 @@ surfaces as `StageFailedError` naming the stage and host, a step over time as `S
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -30,7 +31,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ import numpy as np
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import AutoparError, InvalidArgumentError
 from autopar.planner.plan import Plan, format_spec
-from autopar.runtime.executors import StepToBuild
+from autopar.runtime.executors import StepToBuild, StepToTime
 from autopar.runtime.layout import HOST, PipelineLayout, PlaceInput
 from autopar.runtime.ray_worker import (
     FromStage,
@@ -147,6 +148,45 @@ class RayCluster:
         """The Executor protocol: the step's stages on mesh workers, which trace it again."""
         source = StepSource.of(step.fun, step.args, step.argnums)
         return RayExecutable(self, step.traced, step.plan, source)
+
+    def check_devices_free(self, what: str) -> None:
+        """Refuse `what` (which needs a profiling worker with the hosts' GPUs) while mesh
+        workers hold them."""
+        if self.use_gpus and self.actors:
+            raise InvalidArgumentError(
+                f"{what} on Ray needs the hosts' GPUs, but {len(self.actors)} mesh worker(s) "
+                "hold them: do it before the first step, or autopar.shutdown() and "
+                "autopar.init('ray') again"
+            )
+
+    @contextlib.contextmanager
+    def stage_timer(self, step: StepToTime) -> Iterator[Any]:
+        """The Executor protocol: candidate stages timed by a profiling worker on host 0 with
+        all its devices, which traces the step itself; it stops when planning ends, before the
+        step's mesh workers take the devices. A candidate may span hosts, which one worker
+        cannot time: a cluster of several hosts is refused."""
+        spec = self.cluster_spec
+        if spec.num_hosts > 1:
+            raise InvalidArgumentError(
+                "AutoStageOption(profile=True) on Ray times candidate stages on one host's "
+                f"devices, but the cluster has {spec.num_hosts} hosts and a stage may span "
+                "them; use profile=False (the cost model)"
+            )
+        self.check_devices_free("AutoStageOption(profile=True)")
+        worker = self.start_worker(0, spec.devices_per_host)
+        try:
+            self.wait([worker.prepare_profiling.remote(step)], "tracing the step to profile")
+
+            def measure(stage: Any, plan: Any) -> tuple[float, float]:
+                (timing,) = self.wait(
+                    [worker.measure_stage.remote(stage.layers, plan)],
+                    f"timing the stage of layers {stage.layers}",
+                )
+                return timing
+
+            yield measure
+        finally:
+            self.stop_workers([worker])
 
     def start_worker(self, host: int, num_devices: int, stages: tuple[int, ...] = ()) -> Any:
         """A `MeshWorker` actor on `host`'s bundle that drives `num_devices` of its devices, for

@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 
-from autopar.planner.plan import Plan
+from autopar.planner.plan import Plan, StagePlan, TracingRecord
+from autopar.runtime.executors import StepToTime
 from autopar.runtime.layout import Key, PipelineLayout, PlaceInput, RunTask, micro_batch_of
 from autopar.runtime.transport import (
     Address,
@@ -49,7 +50,11 @@ class StepSource:
     argnums: tuple[tuple[int, ...], ...]  # (static, batch, donate)
 
     def trace(self, plan: Plan) -> TracedStep:
-        from autopar.plan_store import layer_option_of
+        return self.trace_as(plan.tracing, plan.num_micro_batches)
+
+    def trace_as(self, tracing: TracingRecord | None, num_micro_batches: int) -> TracedStep:
+        """The step traced as `tracing` records (regathering, layers) with its micro-batches."""
+        from autopar.plan_store import layer_option_in
         from autopar.tracing import trace_step
 
         static, batch, donate = self.argnums
@@ -59,9 +64,9 @@ class StepSource:
             static_argnums=static,
             batch_argnums=batch,
             donate_argnums=donate,
-            regather_params=plan.tracing is not None and plan.tracing.regather_params,
-            num_micro_batches=plan.num_micro_batches,
-            layer_option=layer_option_of(plan),
+            regather_params=tracing is not None and tracing.regather_params,
+            num_micro_batches=num_micro_batches,
+            layer_option=layer_option_in(tracing),
         )
 
     @classmethod
@@ -183,6 +188,7 @@ class MeshWorker:
         self._executable = None
         self._input_avals: list[Any] = []
         self._transport: SocketTransport | None = None
+        self._profiled: tuple = ()  # (parts, signature) of the step profiling mode times
 
     def __repr__(self) -> str:
         stages = {0: "", 1: "stage "}.get(len(self.stages), "stages ")
@@ -216,6 +222,30 @@ class MeshWorker:
         from autopar.runtime.cluster_profile import measure_cluster
 
         return measure_cluster(jax.devices(), sizes=sizes).to_dict()
+
+    def prepare_profiling(self, step: StepToTime) -> None:
+        """Trace the step whose candidate stages `measure_stage` times (profiling mode on Ray)
+        and check it is the program the driver plans."""
+        from autopar.planner.pipeline import split_step
+
+        source = StepSource(step.fun, tuple(step.args), step.argnums)
+        traced = source.trace_as(step.tracing, step.num_micro_batches)
+        if traced.program.fingerprint != step.fingerprint:
+            raise RuntimeError(
+                f"the profiling worker traced program {traced.program.fingerprint}, not the "
+                f"planned {step.fingerprint}: the step must trace the same on every host"
+            )
+        parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+        self._profiled = (parts, traced.program.signature)
+
+    def measure_stage(self, layers: tuple[int, int], plan: StagePlan) -> tuple[float, float]:
+        """`runtime.profile.measure_stage` of the traced step's layers [start, end) with its
+        plan, on this worker's devices."""
+        from autopar.planner.pipeshard import range_program
+        from autopar.runtime.profile import measure_stage
+
+        parts, signature = self._profiled
+        return measure_stage(range_program(parts, signature, *layers), plan, jax.devices())
 
     def build(
         self,

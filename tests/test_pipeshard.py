@@ -2,6 +2,7 @@
 stages on disjoint sub-meshes (read off the outputs' shardings), the stage split, bad inputs."""
 
 import dataclasses
+import functools
 import logging
 import math
 
@@ -28,7 +29,7 @@ from autopar.planner.pipeshard import (
     state_bytes,
 )
 from autopar.planner.schedules import TaskKind
-from autopar.runtime.profile import StageProfiler
+from autopar.runtime.profile import StageProfiler, measure_stage
 from autopar.tracing import resolve_argnums, trace_step
 
 BATCH = 32
@@ -215,7 +216,8 @@ def test_profiled_stage_cost():
     parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
     cluster = autopar.ClusterSpec.local(len(jax.devices()))
     config = PipelineConfig(MICRO_BATCHES, method.schedules, method.stage_option, IntraOpConfig())
-    profiler = StageProfiler(parts, traced.program, cluster, config, jax.devices())
+    measure = functools.partial(measure_stage, devices=jax.devices())
+    profiler = StageProfiler(parts, traced.program, cluster, config, measure)
     one, two = profiler(0, 1, (1, 2), (1, 2)), profiler(0, 2, (1, 2), (1, 2))
     profiler.close()
     assert one.latency_s > 0 and two.latency_s > 0
