@@ -131,18 +131,18 @@ def test_profiling_mode_times_stages_on_a_profiling_worker_and_matches_serial(on
     """AutoStageOption(profile=True) on Ray: a profiling worker traces the step and times each
     candidate stage on its devices (the driver holds none), then stops before the step's mesh
     workers start."""
-    on_ray(autopar.ClusterSpec.local(4))
+    on_ray(autopar.ClusterSpec.local(2))
     calls = _count_remote_calls(monkeypatch)
     option = autopar.AutoStageOption(profile=True, submesh_logical_shape_space="same_as_physical")
     method = autopar.PipeshardParallel(
         num_micro_batches=4, layer_option=autopar.AutoLayerOption(layer_num=2), stage_option=option
     )
-    _, state, _, _ = parallel_steps(mlp, MLP, method, BATCH, STEPS)
+    _, state, _, _ = parallel_steps(mlp, MLP, method, BATCH, 1)
     params = jax.tree.map(np.asarray, state.params)
-    assert relative_error(params, serial_state(mlp, MLP, BATCH, STEPS).params) <= 1e-5
+    assert relative_error(params, serial_state(mlp, MLP, BATCH, 1).params) <= 1e-5
     assert calls.count("prepare_profiling") == 1
-    # 2 layers: 3 layer ranges on meshes of 1, 2 and 4 devices, equal structures timed once.
-    assert 3 <= calls.count("measure_stage") <= 9
+    # 2 layers: 3 layer ranges on meshes of 1 and 2 devices, equal structures timed once.
+    assert 2 <= calls.count("measure_stage") <= 6
 
 
 def test_profiling_mode_across_hosts_is_refused_on_ray(on_ray):
