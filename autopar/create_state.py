@@ -44,8 +44,8 @@ class CreateStateParallel(ParallelMethod):
     train_step: Any
     other_args: tuple[Any, ...]
     state_argnum: int = 0
-    devices: Any = None  # `train_step`'s
-    num_micro_batches: int | None = None  # `train_step`'s
+    devices: Any = None  # the protocol's; the train step's plan places the state
+    num_micro_batches: int | None = None  # the protocol's; nothing is traced for a plan
 
     def __init__(self, train_step: Any, *other_args: Any, state_argnum: int = 0) -> None:
         object.__setattr__(self, "train_step", train_step)
