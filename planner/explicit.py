@@ -584,13 +584,15 @@ def predict(
     memory, stored = _memory(program, step, stage_plan, stage, lmesh, cpu, k)
     flops, compute = _compute(program, step, cluster, stage, mesh.num_devices, k)
     compute += fresh_memory_s(memory - stored, cluster)
+    host = launch_s(program.signature.num_buffers, cluster)
     return Predicted(
-        step_time_s=compute + comm + launch_s(program.signature.num_buffers, cluster),
+        step_time_s=compute + comm + host,
         compute_s=compute,
         communication_s=comm,
         memory_per_device_bytes=memory,
         communication_bytes=comm_bytes,
         flops=flops,
+        host_s=host,
     )
 
 

@@ -919,13 +919,15 @@ def _emit(
     cluster = builder.roofline.cluster
     compute += fresh_memory_s(peak - inputs, cluster)
     step_time = compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute)
+    host = launch_s(sig.num_buffers, cluster)
     predicted = Predicted(
-        step_time_s=step_time + launch_s(sig.num_buffers, cluster),
+        step_time_s=step_time + host,
         compute_s=compute,
         communication_s=blocking + overlap,
         memory_per_device_bytes=peak,
         communication_bytes=comm_bytes,
         flops=flops,
+        host_s=host,
     )
     return stage, predicted
 

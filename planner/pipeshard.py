@@ -633,6 +633,7 @@ def plan_pipeshard(
             memory_per_device_bytes=max(mesh_peaks),
             communication_bytes=comm_bytes,
             flops=flops,
+            host_s=host,
         ),
         cluster=cluster,
         input_paths=sig.input_paths,

@@ -24,11 +24,11 @@ from autopar.planner.schedules import PipelineSchedule, Schedule, make_schedule
 Spec = tuple[tuple[str, ...] | None, ...]
 
 PLAN_FORMAT_VERSION = 10
-# Versions 6 to 9 differ only in their cluster dict, which lacks fields added since: 6 the
-# roofline's figures (memory bandwidth, dtype peaks, efficiencies, kernel floor), 7 the rates of
+# Versions 6 to 9 lack fields added since, which load as their defaults: 6 the roofline's
+# figures (memory bandwidth, dtype peaks, efficiencies, kernel floor), 7 the rates of
 # transcendentals, convolutions and transposes, 8 the weight-gradient matmul rate and the fresh
-# memory figures, 9 the host's launch and buffer overheads. `ClusterSpec.from_dict` fills the
-# defaults.
+# memory figures (all in the cluster dict, filled by `ClusterSpec.from_dict`), 9 the host's
+# launch and buffer overheads and `Predicted.host_s` (0: not priced).
 READABLE_FORMAT_VERSIONS = (6, 7, 8, 9, PLAN_FORMAT_VERSION)
 
 
@@ -139,7 +139,9 @@ class StagePlan:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Predicted:
     """Cost-model predictions for one training step, per device; `flops` is the whole step's
-    arithmetic (all devices, all micro-batches, recomputation included), for TFLOP/s and MFU."""
+    arithmetic (all devices, all micro-batches, recomputation included), for TFLOP/s and MFU;
+    `host_s` the host's launches of the step's programs (`ClusterSpec.launch_overhead_s`):
+    added to a single program's step time, a lower bound of a pipeline's."""
 
     step_time_s: float
     compute_s: float
@@ -147,6 +149,7 @@ class Predicted:
     memory_per_device_bytes: float
     communication_bytes: float = 0.0
     flops: float = 0.0
+    host_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

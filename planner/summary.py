@@ -140,9 +140,10 @@ _ms = format_seconds
 
 
 def _costs(p: Predicted) -> str:
+    host = f", host launches {_ms(p.host_s)}" if p.host_s else ""
     return (
         f"compute {_ms(p.compute_s)}, communication {_ms(p.communication_s)} "
-        f"({format_bytes(p.communication_bytes)} moved), memory per device "
+        f"({format_bytes(p.communication_bytes)} moved){host}, memory per device "
         f"{format_bytes(p.memory_per_device_bytes)}"
     )
 
