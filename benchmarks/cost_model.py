@@ -185,16 +185,13 @@ def collectives() -> dict:
 
 
 def _collectives_here() -> None:
-    from autopar.runtime.cluster_profile import measure_cluster
+    from autopar.runtime.cluster_profile import measure_cluster, predicted_collective_s
 
     profile = measure_cluster()
     spec = profile.spec
     rows = []
     for m in profile.collectives:
-        across = m.axis == 0 and spec.num_hosts > 1
-        bandwidth = spec.inter_host_bandwidth if across else spec.intra_host_bandwidth
-        latency = spec.inter_host_latency if across else spec.intra_host_latency
-        predicted = m.kind.cost(m.num_bytes, m.num_devices, bandwidth, latency)
+        predicted = predicted_collective_s(spec, m)
         rows.append(
             {
                 "kind": m.kind.value,
@@ -296,7 +293,9 @@ def _collective_lines(coll: dict) -> list[str]:
         "",
         "## Collectives on 8 simulated CPU devices",
         "",
-        "Each collective `profile_cluster()` timed, predicted with the α and β it fitted.",
+        "Each collective `profile_cluster()` timed, predicted with the α and β it fitted to "
+        "all-reduce, all-gather and reduce-scatter (all-to-all: times its fitted "
+        f"`all_to_all_factor`, {coll['spec']['all_to_all_factor']:.2f}).",
         "",
         "| collective | bytes | devices | predicted | measured | ratio |",
         "|---|---:|---:|---:|---:|---:|",

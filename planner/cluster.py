@@ -32,6 +32,10 @@ a step's temporaries as one block, so a step whose temporaries reach the thresho
 bytes at `fresh_memory_rate` (`autopar.planner.roofline.fresh_memory_s`). GPU runtimes keep a
 pool of device memory: None there, and no cost.
 
+All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run slower than it
+on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales
+its bytes term (`autopar.profile_cluster()` fits it; 1 in the presets).
+
 Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
 `autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
 when every device of a host talks across hosts at once (host NIC bandwidth / devices_per_host),
@@ -54,7 +58,7 @@ _INT_FIELDS = ("num_hosts", "devices_per_host")
 PLATFORMS = ("gpu", "cpu")
 _POSITIVE_FIELDS = (
     *("device_flops", "device_memory", "intra_host_bandwidth", "inter_host_bandwidth"),
-    "fresh_memory_threshold",
+    *("fresh_memory_threshold", "all_to_all_factor"),
 )
 _NON_NEGATIVE_FIELDS = (
     *("intra_host_latency", "inter_host_latency", "kernel_overhead_s"),
@@ -110,6 +114,7 @@ class ClusterSpec:
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
+    all_to_all_factor: float = 1.0  # all-to-all time over its α-β formula's bytes term
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:

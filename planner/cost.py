@@ -83,6 +83,7 @@ class LogicalMesh:
     axis_names: tuple[str, ...]
     bandwidths: tuple[float, ...]
     latencies: tuple[float, ...]
+    all_to_all_factor: float = 1.0  # `ClusterSpec.all_to_all_factor`
 
     def __post_init__(self) -> None:
         fields = (self.axis_names, self.bandwidths, self.latencies)
@@ -126,7 +127,10 @@ class LogicalMesh:
         n = math.prod(self.shape[i] for i in idx)
         bandwidth = min(self.bandwidths[i] for i in idx)
         latency = max(self.latencies[i] for i in idx)
-        return kind.cost(num_bytes, n, bandwidth, latency)
+        seconds = kind.cost(num_bytes, n, bandwidth, latency)
+        if kind is Collective.ALL_TO_ALL and n > 1:
+            return latency + self.all_to_all_factor * (seconds - latency)
+        return seconds
 
     def all_reduce_cost(self, num_bytes: float, axes: AxisRef | Sequence[AxisRef]) -> float:
         return self.collective_cost(Collective.ALL_REDUCE, num_bytes, axes)
@@ -173,6 +177,7 @@ def logical_mesh(
         axis_names=names,
         bandwidths=tuple(bw for bw, _ in figures),
         latencies=tuple(lat for _, lat in figures),
+        all_to_all_factor=cluster.all_to_all_factor,
     )
 
 

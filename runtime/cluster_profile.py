@@ -20,8 +20,10 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
   None where that costs nothing (memory pooled, as GPU runtimes do);
 - `intra_host_*` / `inter_host_*`: α (latency) and 1/β (bus bandwidth) fitted per physical
-  mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather, reduce-scatter and
-  all-to-all timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
+  mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather and reduce-scatter
+  timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
+- `all_to_all_factor`: how many times that link's bytes term the all-to-alls take
+  (`fit_all_to_all`; XLA:CPU's run several times slower than Alpa's formula);
 - `device_memory`: the device's `bytes_limit`; on CPU, physical RAM over the profiled devices.
 
 An axis of one device has no link to time. Collectives over one device are free in the cost
@@ -45,7 +47,7 @@ import jax
 import numpy as np
 
 from autopar.planner.cluster import GLIBC_MMAP_THRESHOLD, PLATFORMS, ClusterSpec
-from autopar.planner.cost import Collective
+from autopar.planner.cost import Collective, LogicalMesh
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.progress import progress_bar
 from autopar.runtime.microbench import (
@@ -84,8 +86,10 @@ __all__ = [
     "RateKind",
     "RateTiming",
     "StreamTiming",
+    "fit_all_to_all",
     "fit_link",
     "measure_cluster",
+    "predicted_collective_s",
     "profile_cluster",
 ]
 
@@ -248,6 +252,33 @@ def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
     return float(alpha), 1.0 / float(beta)
 
 
+def fit_all_to_all(
+    timings: Sequence[CollectiveTiming], links: Mapping[int, tuple[float, float]]
+) -> float:
+    """`ClusterSpec.all_to_all_factor`: the median over the all-to-all timings of their time
+    beyond the latency over the formula's bytes term, on the (latency, bandwidth) `links` of
+    their axis; 1 where none was timed."""
+    factors = [
+        (t.seconds - links[t.axis][0])
+        / Collective.ALL_TO_ALL.cost(t.num_bytes, t.num_devices, links[t.axis][1], 0.0)
+        for t in timings
+        if t.kind is Collective.ALL_TO_ALL
+    ]
+    return max(1e-3, statistics.median(factors)) if factors else 1.0
+
+
+def predicted_collective_s(spec: ClusterSpec, timing: CollectiveTiming) -> float:
+    """What the cost model predicts for `timing`'s collective with `spec`'s figures."""
+    across = timing.axis == 0 and spec.num_hosts > 1
+    link = (spec.inter_host_bandwidth, spec.inter_host_latency)
+    if not across:
+        link = (spec.intra_host_bandwidth, spec.intra_host_latency)
+    mesh = LogicalMesh(
+        (timing.num_devices,), ("a",), (link[0],), (link[1],), spec.all_to_all_factor
+    )
+    return mesh.collective_cost(timing.kind, timing.num_bytes, "a")
+
+
 def _peaks(matmul: Sequence[MatmulTiming]) -> dict[str, float]:
     """The median rate of each `MatmulKind` over the shapes measured, by the `ClusterSpec`
     field it sets. Not the best: one short timing that caught the machine between hiccups would
@@ -270,8 +301,10 @@ def build_spec(
     """The spec of `devices` from its measurements, and the fields no measurement set."""
     shape = physical_mesh(devices)[0].devices.shape
     hosts, per_host = (1, shape[0]) if len(shape) == 1 else shape
-    links = {
-        axis: fit_link([t for t in collectives if t.axis == axis])
+    links = {  # all-to-all is fitted on the link the other collectives give (`fit_all_to_all`)
+        axis: fit_link(
+            [t for t in collectives if t.axis == axis and t.kind is not Collective.ALL_TO_ALL]
+        )
         for axis in sorted({t.axis for t in collectives})
     }
     unmeasured: tuple[str, ...] = ()
@@ -298,6 +331,7 @@ def build_spec(
         kernel_overhead_s=kernel.per_kernel_s,
         launch_overhead_s=launch.launch_s,
         buffer_overhead_s=launch.per_buffer_s,
+        all_to_all_factor=fit_all_to_all(collectives, links),
         **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
         **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free
     )

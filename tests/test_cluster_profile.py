@@ -24,8 +24,10 @@ from autopar.runtime.cluster_profile import (
     MatmulKind,
     ProfileSizes,
     RateKind,
+    fit_all_to_all,
     fit_link,
     measure_cluster,
+    predicted_collective_s,
 )
 
 KIB = 1 << 10
@@ -172,6 +174,31 @@ def test_fit_link_recovers_the_cost_model_and_stays_physical():
     latency, bandwidth = fit_link(flat)
     best = max(t.kind.cost(t.num_bytes, t.num_devices, 1, 0) / t.seconds for t in flat)
     assert bandwidth == pytest.approx(best) and latency == pytest.approx(1e-4)
+
+
+def test_all_to_all_is_fitted_as_a_factor_on_the_other_collectives_link():
+    """All-to-alls 5x slower than Alpa's formula leave the link fitted to the other collectives
+    as it is and set `all_to_all_factor` to 5, which the cost model then applies."""
+    timings = [
+        dataclasses.replace(t, seconds=7e-6 + 5 * (t.seconds - 7e-6))
+        if t.kind is Collective.ALL_TO_ALL
+        else t
+        for t in _synthetic(7e-6, 40e9)
+    ]
+    others = [t for t in timings if t.kind is not Collective.ALL_TO_ALL]
+    latency, bandwidth = fit_link(others)
+    assert (latency, bandwidth) == (pytest.approx(7e-6), pytest.approx(40e9))
+    factor = fit_all_to_all(timings, {1: (latency, bandwidth)})
+    assert factor == pytest.approx(5)
+    assert fit_all_to_all(others, {1: (latency, bandwidth)}) == 1.0  # none timed
+    spec = dataclasses.replace(
+        autopar.ClusterSpec.local(4),
+        intra_host_bandwidth=bandwidth,
+        intra_host_latency=latency,
+        all_to_all_factor=factor,
+    )
+    for t in timings:
+        assert predicted_collective_s(spec, t) == pytest.approx(t.seconds)
 
 
 def test_profile_cluster_defaults_to_the_runtime_devices(small_defaults):

@@ -265,3 +265,16 @@ def test_resharding_cost_grows_with_bytes(src, dst):
 def test_resharding_rejects_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         resharding_cost(MESH, SHAPE, 4, spec, (None, None))
+
+
+def test_all_to_all_factor_scales_only_the_all_to_all_bytes_term():
+    plain = LogicalMesh((4,), ("x",), (1e9,), (1e-5,))
+    slow = dataclasses.replace(plain, all_to_all_factor=3.0)
+    nbytes = 1 << 20
+    base = plain.all_to_all_cost(nbytes, "x")
+    assert slow.all_to_all_cost(nbytes, "x") == pytest.approx(1e-5 + 3 * (base - 1e-5))
+    assert slow.all_reduce_cost(nbytes, "x") == plain.all_reduce_cost(nbytes, "x")
+    single = dataclasses.replace(slow, shape=(1,))
+    assert single.all_to_all_cost(nbytes, "x") == 0.0
+    spec = dataclasses.replace(ClusterSpec.local(4), all_to_all_factor=3.0)
+    assert logical_mesh(spec, (4,)).all_to_all_factor == 3.0

@@ -23,7 +23,7 @@ F32 = np.dtype("float32")
 
 _RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # added in format 8
 _FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memory_threshold")
-_FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s")
+_FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s", "all_to_all_factor")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -76,6 +76,7 @@ def test_peak_depends_on_dtype_and_precision():
         ("transpose_bandwidth", float("nan")),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
+        ("all_to_all_factor", 0.0),
     ],
 )
 def test_roofline_fields_are_validated(field, value):
