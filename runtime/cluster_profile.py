@@ -189,6 +189,8 @@ class ClusterProfile:
                 f"  {where}: bus bandwidth {_si(bandwidth)}B/s, latency "
                 f"{latency * 1e6:.1f} us{note}"
             )
+        if self.collectives:
+            lines.append(f"  all-to-all: {s.all_to_all_factor:.3g}x Alpa's formula on that link")
         return "\n".join(lines)
 
 

@@ -91,6 +91,7 @@ def test_eight_devices_measure_every_collective_within_the_host(eight):
         (1, kind, 8) for kind in Collective
     }
     assert all(t.seconds > 0 for t in eight.collectives)
+    assert spec.all_to_all_factor > 0 and "all-to-all:" in eight.summary()
     # One host: nothing crosses hosts, so the inter-host link copies the measured intra-host one.
     assert eight.unmeasured == INTER
     assert (spec.inter_host_bandwidth, spec.inter_host_latency) == (
