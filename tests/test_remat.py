@@ -100,7 +100,7 @@ def _gpt_problem(
     return ShardingProblem(traced.program, mesh, cluster, config, 1)
 
 
-@pytest.mark.parametrize("solver", ["cbc", "highs"])
+@pytest.mark.parametrize("solver", ["cbc"])  # the loop that did not end was CBC's
 def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
     """With CBC, the least-memory LP of this GPT used to stop with "did not converge in 40
     rounds". The least-memory search now doubles its cuts after that, so it ends; a budgeted
