@@ -495,12 +495,20 @@ class ShardingProblem:
         self._least: tuple[np.ndarray, StagePlan, Predicted] | None = None
         self.build_seconds = time.perf_counter() - start
 
-    def solve(self, budget: float) -> Plan | None:
+    def solve(self, budget: float, as_emitted: bool = True) -> Plan | None:
         """The fastest plan within `budget` bytes per device; None if none fits. The ILP solves
-        of its budget corrections share one time limit."""
+        of its budget corrections share one time limit.
+
+        With `as_emitted` False, the ILP's fastest plan within `budget` by its own memory
+        model, whatever its resharded copies add (the plan's prediction counts them): a
+        candidate to price, such as a pipeline layer, skips the corrections' extra solves."""
         start = time.perf_counter()
         program, problem = self.program, self.problem
-        found = self._fitting_plan(budget, start + self.ilp.time_limit_s)
+        deadline = start + self.ilp.time_limit_s
+        if as_emitted:
+            found = self._fitting_plan(budget, deadline)
+        else:
+            found = self._emitted(budget, deadline, None)
         if found is None:
             return None
         solution, choice, stage, predicted = found

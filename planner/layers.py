@@ -12,7 +12,8 @@ it is needed instead of being passed along from the first layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
@@ -105,11 +106,149 @@ def _live_bytes_at_cuts(jaxpr: Jaxpr, floating: list[bool]) -> np.ndarray:
     return np.cumsum(diff)[: n + 1]
 
 
+def _segment_ids(eqns: Sequence[JaxprEqn], heavy: list[int], floating: list[bool]) -> np.ndarray:
+    """For each heavy op, an id of what runs from it up to the next heavy op: the primitives and
+    result shapes of its non-floating eqns (equal ids: the same computation on the same shapes)."""
+    ends = [*heavy[1:], len(eqns)]
+    ids: dict[tuple, int] = {}
+    return np.array(
+        [
+            ids.setdefault(
+                tuple(
+                    (e.primitive.name, *((v.aval.shape, str(v.aval.dtype)) for v in e.outvars))
+                    for e, f in zip(eqns[start:end], floating[start:end], strict=True)
+                    if not f
+                ),
+                len(ids),
+            )
+            for start, end in zip(heavy, ends, strict=True)
+        ]
+    )
+
+
+def _repeat_phases(ids: np.ndarray) -> np.ndarray:
+    """Phase of each heavy op within the loss's repeated block (a transformer block's heavy ops),
+    -1 outside the repetition; all -1 when no block repeats. The period is the one under which
+    the most heavy ops repeat, the shortest of those tied."""
+    phases = np.full(len(ids), -1)
+    matches = [int(np.sum(ids[:-p] == ids[p:])) for p in range(1, len(ids) // 2 + 1)]
+    if not matches or max(matches) == 0:
+        return phases
+    period = int(np.argmax(matches)) + 1
+    if max(matches) < period:  # not even two whole blocks alike
+        return phases
+    repeats = np.zeros(len(ids), dtype=bool)
+    repeats[:-period] |= ids[:-period] == ids[period:]
+    repeats[period:] |= ids[period:] == ids[:-period]
+    phases[repeats] = np.arange(len(ids))[repeats] % period
+    return phases
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutPoints:
+    """Where a layer may start (eqn indices: 0, right before each heavy op but the first, and
+    the end), the bytes live at each of those places, and the FLOPs between them."""
+
+    points: list[int]
+    cost: np.ndarray  # per point
+    flops_before: np.ndarray  # per eqn index, the total last
+    cap: float  # the most FLOPs a layer may hold
+
+    def share(self, a: int, b: int) -> float:
+        """The share of all FLOPs in a layer from point a to point b."""
+        flops = self.flops_before[self.points[b]] - self.flops_before[self.points[a]]
+        return flops / self.flops_before[-1]
+
+
+RunPenalty = Callable[[int, int], float]  # what a layer from point a to point b adds
+
+
+def _fewest_cut_bytes(
+    cuts: _CutPoints, layer_num: int, allowed: np.ndarray, penalty: RunPenalty
+) -> tuple[float, list[int]] | None:
+    """The least sum of cut costs and run penalties over `layer_num` runs within the FLOP cap,
+    cutting only at allowed points (a DP over them): (that sum, each run's first eqn)."""
+    last = len(cuts.points) - 1
+    usable = [0, *(j for j in range(1, last) if allowed[j]), last]
+    best = np.full((layer_num + 1, len(usable)), np.inf)
+    back = np.zeros((layer_num + 1, len(usable)), dtype=np.int64)
+    best[0, 0] = 0.0
+    max_share = cuts.cap / cuts.flops_before[-1]
+    for k in range(1, layer_num + 1):
+        for j in range(1, len(usable)):
+            for i in range(j - 1, -1, -1):
+                a, b = usable[i], usable[j]
+                share = cuts.share(a, b)
+                if share > max_share:
+                    break
+                value = best[k - 1, i] + cuts.cost[b] + penalty(a, b)
+                if value < best[k, j]:
+                    best[k, j], back[k, j] = value, i
+    if not np.isfinite(best[layer_num, -1]):
+        return None
+    starts, j = [], len(usable) - 1
+    for k in range(layer_num, 0, -1):
+        j = int(back[k, j])
+        starts.append(cuts.points[usable[j]])
+    return float(best[layer_num, -1]), sorted(starts)
+
+
+def _least_largest_cut(
+    cuts: _CutPoints, layer_num: int, allowed: np.ndarray, penalty: RunPenalty
+) -> tuple[float, float, list[int]] | None:
+    """The least achievable largest cut (bisection over the distinct cut costs), then the least
+    sum among plans that respect it: (largest cut, sum, each run's first eqn)."""
+    levels = np.unique(cuts.cost[allowed])
+    lo, hi, found = 0, len(levels) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        result = _fewest_cut_bytes(cuts, layer_num, allowed & (cuts.cost <= levels[mid]), penalty)
+        if result is None:
+            lo = mid + 1
+        else:
+            found, hi = (float(levels[mid]), *result), mid - 1
+    return found
+
+
+def _block_aligned_layers(
+    cuts: _CutPoints, layer_num: int, phases: np.ndarray
+) -> tuple[float, float, list[int]] | None:
+    """Layers whose cuts inside the repeated blocks all fall at one place of a block (of those
+    places, the ones whose cuts cost least) and whose layers inside the blocks hold q whole
+    blocks each (q the blocks per layer, rounded down or up): a plan of the fewest distinct
+    layer programs. None if the FLOP cap allows no such plan."""
+    period = int(phases.max()) + 1
+    in_blocks = phases >= 0
+    blocks = round(in_blocks.sum() / period)
+    # Lexicographic: the largest cut (the bisection), then uneven layers, then the spread,
+    # then the sum of cuts (below `weight`, as Σ share² ≤ 1).
+    weight = 1e6 * (float(cuts.cost.sum()) + 1.0)
+    worst = {p: cuts.cost[phases == p].max() for p in range(period) if (phases == p).any()}
+    cheapest = [p for p, c in worst.items() if c == min(worst.values())]
+    found = []
+    for q in sorted({blocks // layer_num, -(-blocks // layer_num)} - {0}):
+
+        def penalty(a: int, b: int, q: int = q) -> float:
+            uneven = in_blocks[a] and in_blocks[b] and b - a != q * period
+            return weight * (cuts.share(a, b) ** 2 + 2.0 * uneven)
+
+        for phase in cheapest:
+            allowed = ~in_blocks | (phases == phase)
+            if (result := _least_largest_cut(cuts, layer_num, allowed, penalty)) is not None:
+                found.append(result)
+    return min(found, key=lambda f: f[:2], default=None)
+
+
 def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBALANCE) -> list[int]:
     """Layer index of each eqn: `layer_num` runs, each of at most (1+imbalance)·FLOPs/layer_num,
     cut right before heavy ops, minimising the most bytes live at any cut, then their sum, then
-    the spread of FLOPs over layers (repeated blocks, whose cuts all cost the same, are shared
-    out evenly)."""
+    the spread of FLOPs over layers.
+
+    Where the loss repeats a block (transformer blocks), the cuts inside the repetition fall at
+    one place of a block and the layers there hold equally many blocks, before the sum and the
+    spread are weighed: layers of the same blocks are the same program, which the stage search
+    plans once, where cheaper or better balanced cuts would leave layers to plan one by one.
+    """
     eqns = jaxpr.eqns
     floating = _floating(jaxpr)
     flops = np.array([0.0 if f else eqn_flops(e) for e, f in zip(eqns, floating, strict=True)])
@@ -123,56 +262,27 @@ def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBA
         )
     if layer_num == 1:
         return [-1 if e.primitive.name == PIPELINE_BOUNDARY else 0 for e in eqns]
-    cuts = heavy[1:]  # a layer starts right before a heavy op
-    prefix = np.concatenate([[0.0], np.cumsum(flops)])
-    cap = (1 + imbalance) * prefix[-1] / layer_num
     live = _live_bytes_at_cuts(jaxpr, floating)
-    points = [0, *cuts, len(eqns)]
-    cost = np.array([0.0, *(live[c] for c in cuts), 0.0])
-    balance = 0.5  # Σ (layer FLOP share)² ≤ 1: the spread never outweighs a byte of cut cost
-
-    def solve(allowed: np.ndarray) -> tuple[float, list[int]] | None:
-        """Min-sum of cut costs over L runs using only allowed cut points (a DP over points)."""
-        num = len(points)
-        best = np.full((layer_num + 1, num), np.inf)
-        back = np.zeros((layer_num + 1, num), dtype=np.int64)
-        best[0, 0] = 0.0
-        for k in range(1, layer_num + 1):
-            for j in range(1, num):
-                if not (allowed[j] or j == num - 1):
-                    continue
-                for i in range(j - 1, -1, -1):
-                    run = prefix[points[j]] - prefix[points[i]]
-                    if run > cap:
-                        break
-                    value = best[k - 1, i] + cost[j] + balance * (run / prefix[-1]) ** 2
-                    if value < best[k, j]:
-                        best[k, j], back[k, j] = value, i
-        if not np.isfinite(best[layer_num, num - 1]):
-            return None
-        starts, j = [], num - 1
-        for k in range(layer_num, 0, -1):
-            j = int(back[k, j])
-            starts.append(points[j])
-        return float(best[layer_num, num - 1]), sorted(starts)
-
-    # The least achievable largest cut first (bisection over the distinct cut costs), then the
-    # least total among plans that respect it.
-    levels = np.unique(cost)
-    lo, hi, found = 0, len(levels) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        result = solve(cost <= levels[mid])
-        if result is None:
-            lo = mid + 1
-        else:
-            found, hi = result, mid - 1
+    flops_before = np.concatenate([[0.0], np.cumsum(flops)])
+    cuts = _CutPoints(
+        points=[0, *heavy[1:], len(eqns)],
+        cost=np.array([0.0, *(live[c] for c in heavy[1:]), 0.0]),
+        flops_before=flops_before,
+        cap=(1 + imbalance) * flops_before[-1] / layer_num,
+    )
+    # A cut's place in the repeated block: the phase of the heavy op it comes right before.
+    phases = np.concatenate([[-1], _repeat_phases(_segment_ids(eqns, heavy, floating))[1:], [-1]])
+    found = _block_aligned_layers(cuts, layer_num, phases) if (phases >= 0).any() else None
+    if found is None:
+        # Σ (layer FLOP share)² ≤ 1: weighed by 0.5, the spread never outweighs a byte of cut.
+        spread = lambda a, b: 0.5 * cuts.share(a, b) ** 2  # noqa: E731
+        found = _least_largest_cut(cuts, layer_num, np.ones(len(cuts.points), bool), spread)
     if found is None:
         raise InvalidArgumentError(
             f"cannot split the loss into {layer_num} layers of at most {1 + imbalance:.2f}x the "
             "average FLOPs; use fewer layers"
         )
-    starts = found[1]
+    starts = found[2]
     run_of = np.searchsorted(starts, np.arange(len(eqns)), side="right") - 1
     layer_of = [
         -1 if e.primitive.name == PIPELINE_BOUNDARY else int(k)

@@ -263,8 +263,11 @@ class LayerCosts:
         """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
         (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak
         (or, where nothing fits that, halfway between), until the ILP finds none (empty: the
-        layer never fits or cannot run there). They
-        depend on the mesh's axes, not on which devices."""
+        layer never fits or cannot run there). Each is the ILP's plan within the budget by its
+        own memory model, priced at its memory as emitted (`ShardingProblem.solve`'s
+        `as_emitted=False`): a layer's plan is a candidate, and the chosen stages are planned
+        again within the budget as emitted. They depend on the mesh's axes, not on which
+        devices."""
         plans = self._layer_plans(layer, logical)
         if plans is None:
             return ()
@@ -340,7 +343,7 @@ class LayerCosts:
         with self._count_lock:
             self.ilp_solves += 1
         start = time.perf_counter()
-        plan = plans.problem.solve(plans.budget)
+        plan = plans.problem.solve(plans.budget, as_emitted=False)
         logger.debug(
             "layers %s on mesh %s within %.3g GiB: %s in %.2f s",
             plans.stage.layers,

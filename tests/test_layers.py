@@ -209,3 +209,70 @@ def test_more_layers_than_heavy_ops_is_an_error():
 def test_bad_auto_layer_options(kwargs, message):
     with pytest.raises(autopar.InvalidArgumentError, match=message):
         AutoLayerOption(**kwargs)
+
+
+def _stock_flax_gpt(num_blocks: int):
+    """A small GPT written with Flax's stock layers (as `benchmarks/flax_gpt.py`): inside a block
+    several places cut equally few bytes, and the cut before the head cuts fewer."""
+    import flax.linen as nn
+    import optax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h, mask=mask)
+            h = nn.LayerNorm()(x)
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(h)))
+
+    class GPT(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(64, 16)
+            x = embed(tokens)
+            for _ in range(num_blocks):
+                x = Block()(x)
+            return embed.attend(nn.LayerNorm()(x))
+
+    model, tokens = GPT(), jnp.zeros((4, 8), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+
+    def loss(params, batch):
+        logits = model.apply({"params": params}, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"]).mean()
+
+    return loss, params, {"tokens": tokens}
+
+
+def _forward_layer_ops(jaxpr) -> list[list[tuple]]:
+    """Each forward layer's eqns as (primitive, result shapes), in order."""
+    layers, current = [], []
+    for e in jaxpr.eqns:
+        if e.primitive.name == LAYER_BOUNDARY:
+            if e.params["kind"] != "forward":
+                break
+            layers.append(current)
+            current = []
+        else:
+            current.append((e.primitive.name, *(tuple(v.aval.shape) for v in e.outvars)))
+    return layers
+
+
+@pytest.mark.parametrize(("num_blocks", "layer_num"), [(8, 4), (12, 5)])
+def test_clustering_cuts_repeated_blocks_alike(num_blocks, layer_num):
+    """The layers between the first and the last hold the same whole blocks, so they are one
+    program to plan (the cuts of equal cost inside a block, and the cheaper one before the
+    head, used to leave layers of 1 3/4, 2 1/4 and 2 1/2 blocks)."""
+    loss, params, batch = _stock_flax_gpt(num_blocks)
+    jaxpr = _layered_jaxpr(_step(loss), AutoLayerOption(layer_num), params, batch)
+    layers = _forward_layer_ops(jaxpr.jaxpr)
+    assert len(layers) == layer_num
+    middle = layers[1:-1]
+    assert all(ops == middle[0] for ops in middle)
+    dots = sum(op[0] == "dot_general" for op in middle[0])
+    assert dots % 8 == 0  # whole blocks of 8 matmuls (q, k, v, scores, values, out, 2 MLP)
+    # The key bias's gradient is zero up to rounding, so compare all gradients as one vector.
+    flat = lambda leaves: jnp.concatenate([jnp.ravel(x) for x in leaves])  # noqa: E731
+    expected = flat(jax.tree.leaves(jax.jit(_step(loss))(params, batch)))
+    assert relative_error(flat(_evaluate(jaxpr, params, batch)), expected) <= 1e-5
