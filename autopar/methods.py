@@ -9,6 +9,8 @@ method it was given and never asks which kind it is (Alpa's `ParallelMethod` ide
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -21,6 +23,7 @@ from jax.sharding import Mesh
 from autopar.options import (
     LAYER_OPTION_NAMES,
     STAGE_OPTION_NAMES,
+    AutoLayerOption,
     AutoShardingOption,
     AutoStageOption,
     LayerOption,
@@ -28,7 +31,7 @@ from autopar.options import (
     StageOption,
     UniformStageOption,
 )
-from autopar.plan_store import check_plan_fits, layer_option_of, read_plan_file
+from autopar.plan_store import check_plan_fits, layer_option_of, read_plan_file, tracing_record
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError, check_positive_int
 from autopar.planner.explicit import ZeroStage, plan_data_parallel
@@ -42,8 +45,11 @@ from autopar.planner.schedules import (
     PipelineSchedule,
     candidate_schedules,
 )
+from autopar.planner.summary import format_bytes
 from autopar.remat import RematTrace, plan_with_remat
 from autopar.tracing import TracedStep
+
+logger = logging.getLogger(__name__)
 
 
 def _check_micro_batches(value: int | None) -> None:
@@ -325,10 +331,48 @@ class PipeshardParallel(ParallelMethod):
 
     def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
         """Stages by the stage search (or as the stage option fixes them), each planned by the
-        ILP; in profiling mode candidate stages are timed on the devices."""
+        ILP; in profiling mode candidate stages are timed on the devices. Under
+        `AutoLayerOption(remat_mode="auto")` on a GPU cluster, where no stage plan fits, the
+        step is traced again with each layer recomputed and planned again."""
+        try:
+            return request.traced, self._plan_traced(request.traced, request)
+        except MemoryBudgetError as without:
+            option = self.layer_option
+            auto = isinstance(option, AutoLayerOption) and option.remat_mode == "auto"
+            if not auto or request.cluster.platform != "gpu" or self.profiles:
+                raise
+            recomputed = dataclasses.replace(option, remat_mode="coarse_grained")
+            logger.info(
+                "no stage plan fits without recomputation (%s); recomputing layers", without
+            )
+        traced = request.remat_trace(recomputed)
+        try:
+            plan = self._plan_traced(traced, request)
+        except MemoryBudgetError as e:
+            least = (
+                f"; {format_bytes(e.least)} per device at least" if math.isfinite(e.least) else ""
+            )
+            raise MemoryBudgetError(
+                f"no pipeline plan fits in {format_bytes(e.budget)} per device, neither as the "
+                "step is nor with each layer recomputed in the backward pass "
+                f"(AutoLayerOption(remat_mode='auto') tried both{least}); use more "
+                f"micro-batches (num_micro_batches={2 * self.num_micro_batches}), more devices "
+                "or pipeline stages, or raise AutoShardingOption(memory_budget_per_device=...)",
+                e.budget,
+                e.least,
+            ) from None
+        note = (
+            "no stage plan fits without recomputation: each layer recomputed in the backward pass"
+        )
+        plan = dataclasses.replace(
+            plan, tracing=tracing_record(False, recomputed), notes=(*plan.notes, note)
+        )
+        return traced, plan
+
+    def _plan_traced(self, traced: TracedStep, request: PlanRequest) -> Plan:
         from autopar.runtime.profile import StageProfiler
 
-        traced, mesh, cluster = request.traced, request.mesh, request.cluster
+        mesh, cluster = request.mesh, request.cluster
         config = PipelineConfig(
             num_micro_batches=self.num_micro_batches,
             schedules=self.schedules,
@@ -338,7 +382,7 @@ class PipeshardParallel(ParallelMethod):
         )
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         if not self.profiles:
-            return traced, plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
+            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
         if request.stage_timer is None:
             raise InvalidArgumentError(
                 "AutoStageOption(profile=True) times stages on the devices, but this plan is "
@@ -351,7 +395,7 @@ class PipeshardParallel(ParallelMethod):
                 plan = plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
             finally:
                 profiler.close()
-        return traced, plan
+        return plan
 
 
 @dataclasses.dataclass(frozen=True)

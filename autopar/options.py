@@ -95,7 +95,7 @@ class AutoShardingOption:
         return IntraOpConfig(**dataclasses.asdict(self))
 
 
-REMAT_MODES = ("none", "coarse_grained")
+REMAT_MODES = ("auto", "none", "coarse_grained")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +115,14 @@ class AutoLayerOption:
 
     Args:
       layer_num: how many layers (the unit the stage DP assigns to pipeline stages).
-      remat_mode: "none", or "coarse_grained" to recompute each layer in the backward pass.
+      remat_mode: "coarse_grained" recomputes each layer's activations in the backward pass
+        (a stage keeps only its layers' inputs); "none" never does; "auto" (the default) plans
+        without recomputation and, on a GPU cluster where no stage plan fits the memory,
+        plans again with "coarse_grained" (the plan's notes say so).
     """
 
     layer_num: int
-    remat_mode: str = "none"
+    remat_mode: str = "auto"
 
     def __post_init__(self) -> None:
         check_positive_int("layer_num", self.layer_num)

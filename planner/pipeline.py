@@ -118,6 +118,28 @@ def split_step(closed: ClosedJaxpr, batch_inputs: Sequence[int]) -> StepParts:
     return parts
 
 
+def memory_floor(parts: StepParts, batch_inputs: Sequence[int]) -> tuple[float, float]:
+    """(state, activations): bytes that every pipeline plan of the step holds at once, summed
+    over its devices. The state is the step's inputs other than the batch (parameters,
+    optimizer state); the activations are one micro-batch of what each layer's backward reads
+    from its own forward and that depends on the batch (every stage keeps at least one
+    micro-batch in flight). Spread evenly over N devices, (state + activations) / N bounds a
+    plan's memory per device from below."""
+    jaxpr = parts.closed.jaxpr
+    batch = set(batch_inputs)
+    state = sum(tensor_info(v.aval).nbytes for i, v in enumerate(jaxpr.invars) if i not in batch)
+    from_batch = {v for i, v in enumerate(jaxpr.invars) if i in batch}
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in from_batch for v in eqn.invars):
+            from_batch.update(eqn.outvars)
+    activations = 0
+    for forward, backward in zip(parts.forward, parts.backward, strict=True):
+        made = {v for i in forward for v in jaxpr.eqns[i].outvars if v in from_batch}
+        read = {v for i in backward for v in jaxpr.eqns[i].invars if isinstance(v, Var)}
+        activations += sum(tensor_info(v.aval).nbytes for v in made & read)
+    return float(state), float(activations)
+
+
 def _check_apply_reads(parts: StepParts, batch_inputs: Sequence[int]) -> None:
     """Per-micro-batch values may reach the update and the outputs only through the boundary."""
     jaxpr = parts.closed.jaxpr

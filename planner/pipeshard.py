@@ -47,6 +47,7 @@ from autopar.planner.memory import held_values
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
+    memory_floor,
     place_stages,
     stage_program,
 )
@@ -69,6 +70,7 @@ from autopar.planner.stages import (
     uniform_stages,
 )
 from autopar.planner.strategy import without_axes
+from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -538,6 +540,29 @@ def _plan_stage(
     return plan
 
 
+def _check_memory_floor(
+    parts: StepParts, program: Program, cluster_shape: tuple[int, int], memory: float
+) -> None:
+    """A MemoryBudgetError, before any ILP, where even the state and one micro-batch of
+    activations spread evenly over all devices exceed `memory` per device
+    (`pipeline.memory_floor`): no stage plan can fit, and the search would take long to say so."""
+    state, activations = memory_floor(parts, program.signature.batch_inputs)
+    devices = math.prod(cluster_shape)
+    floor = (state + activations) / devices
+    if floor <= memory:
+        return
+    raise MemoryBudgetError(
+        f"no pipeline plan of {parts.num_layers} layers on {devices} devices fits in "
+        f"{format_bytes(memory)} per device: the state ({format_bytes(state)}) and one "
+        f"micro-batch of activations ({format_bytes(activations)}) alone need at least "
+        f"{format_bytes(floor)} per device, spread over all devices; use more micro-batches "
+        '(smaller ones), AutoLayerOption(remat_mode="coarse_grained") (a stage keeps only its '
+        "layers' inputs), or more devices",
+        memory,
+        floor,
+    )
+
+
 def plan_pipeshard(
     parts: StepParts,
     program: Program,
@@ -552,8 +577,9 @@ def plan_pipeshard(
     to reuse (and keep) its cached layer plans, or a `runtime.profile.StageProfiler` to measure
     candidates on devices. Either counts its ILP solves in `ilp_solves`."""
     start_time = time.perf_counter()
-    costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     memory = config.intra.budget(cluster)
+    _check_memory_floor(parts, program, cluster_shape, memory)
+    costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     schedule, solution = _fastest_schedule(
         parts.num_layers, cluster_shape, costs, memory, config, cluster.launch_overhead_s
     )

@@ -26,7 +26,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from autopar.planner.errors import InvalidArgumentError, PlanningError, check_positive_int
+from autopar.planner.errors import (
+    InvalidArgumentError,
+    MemoryBudgetError,
+    PlanningError,
+    check_positive_int,
+)
 from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.stage_options import (
     LOGICAL_SPACES,
@@ -258,10 +263,15 @@ def _fixed_solution(
         if not fitting:
             need = min(pipe.memory_need(c, after) for c in alternatives)
             flight = pipe.schedule.in_flight(after, pipe.num_micro_batches)
-            raise PlanningError(
-                f"stage {i} (layers [{layers[0]},{layers[1]}) on {submesh}) needs {need:.4g} "
-                f"bytes per device with {flight} micro-batches in flight under "
-                f"{pipe.schedule.value}, but devices have {device_memory:.4g}"
+            raise MemoryBudgetError(
+                f"stage {i} (layers [{layers[0]},{layers[1]}) on {submesh}) needs "
+                f"{format_bytes(need)} per device with {flight} micro-batches in flight under "
+                f"{pipe.schedule.value}, but devices have {format_bytes(device_memory)}; use "
+                'more micro-batches (smaller ones), AutoLayerOption(remat_mode="coarse_grained") '
+                "or ManualLayerOption(remat_layer=True) (a stage keeps only its layers' inputs), "
+                "or more devices",
+                device_memory,
+                need,
             )
         cost = min(fitting, key=lambda c: c.latency_s)
         stages.append(StageAssignment(tuple(layers), tuple(submesh), tuple(logical), cost))
@@ -780,24 +790,32 @@ def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]
 
 def _no_plan_error(
     cands: _Candidates, num_layers: int, device_memory: float, max_stages: int, pipe: Pipelining
-) -> PlanningError:
+) -> MemoryBudgetError:
     hosts, per_host = cands.cluster
     where = f"{num_layers} layers on {hosts}x{per_host} devices (max_stages={max_stages})"
     if not cands.costs:
-        return PlanningError(f"no stage plan for {where}: cost_fn rejected every candidate stage")
+        return MemoryBudgetError(
+            f"no stage plan for {where}: no candidate stage fits in "
+            f"{format_bytes(device_memory)} per device, or can run on its sub-mesh; use "
+            'AutoLayerOption(remat_mode="coarse_grained"), more layers or more devices',
+            device_memory,
+            math.inf,
+        )
     least = min(c.static_memory_bytes + c.activation_memory_bytes for _, c in cands.costs.values())
     keeps = (
         f"all {pipe.num_micro_batches} micro-batches of activations"
         if pipe.schedule is PipelineSchedule.GPIPE
         else "a micro-batch of activations for each stage after it"
     )
-    return PlanningError(
+    return MemoryBudgetError(
         f"no stage plan for {where} fits in {format_bytes(device_memory)} per device: under "
         f"{pipe.schedule.value} a stage keeps {keeps}, and the least any single candidate "
         f"stage needs with one is {format_bytes(least)} (state plus one micro-batch of "
         "activations); use more micro-batches (smaller ones), "
         'AutoLayerOption(remat_mode="coarse_grained") (a stage keeps only its layers\' inputs), '
-        "or more devices"
+        "or more devices",
+        device_memory,
+        least,
     )
 
 

@@ -1,5 +1,6 @@
-"""Tight memory: ShardParallel recomputes activations where nothing else fits (GPU clusters), a
-budget nothing fits gets the least memory and what to change, and the memory-cut loop ends."""
+"""Tight memory: ShardParallel and PipeshardParallel recompute activations where nothing else
+fits (GPU clusters), a budget nothing fits gets the least memory and what to change, and the
+memory-cut loop ends."""
 
 import dataclasses
 import types
@@ -80,6 +81,67 @@ def test_cpu_clusters_do_not_recompute():
     step, state, batch = abstract_train_inputs(gpt, GPT, BATCH)
     with pytest.raises(autopar.MemoryBudgetError, match="not tried on the cpu backend"):
         autopar.plan(step, state, batch, method=_tight(TIGHT))
+
+
+def _pipeline(budget: float, remat_mode: str = "auto") -> autopar.PipeshardParallel:
+    return autopar.PipeshardParallel(
+        num_micro_batches=2,
+        layer_option=autopar.AutoLayerOption(4, remat_mode=remat_mode),
+        stage_option=autopar.UniformStageOption(2),
+        auto_sharding_option=autopar.AutoShardingOption(memory_budget_per_device=budget),
+    )
+
+
+# 2 stages of this GPT on 4 devices each: 19.1 MiB per device as it is, 5.8 MiB recomputing
+# each layer; the state and one micro-batch of activations need 10.9 MiB spread over 8.
+PIPELINE_TIGHT = 12 * 2**20
+
+
+def test_pipeline_recomputes_layers_where_no_stage_plan_fits_and_matches_serial(gpu_costs):
+    state = gpt.create_train_state(GPT, batch_size=2)
+    batch = gpt.make_batch(GPT, BATCH)
+    train_step = gpt.make_train_step(autopar.value_and_grad)
+    step = autopar.parallelize(train_step, method=_pipeline(PIPELINE_TIGHT))
+    plan = step.get_plan(state, batch)
+    assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
+    assert any("recomputed" in note for note in plan.notes)
+    assert plan.predicted.memory_per_device_bytes <= PIPELINE_TIGHT
+    expected = jax.jit(gpt.train_step)
+    reference, parallel = state, state
+    for _ in range(2):
+        reference, _ = expected(reference, batch)
+        parallel, _ = step(parallel, batch)
+    assert relative_error(parallel.params, reference.params) <= 1e-5
+
+
+def test_pipeline_memory_floor_answers_before_any_ilp(gpu_costs, monkeypatch):
+    """Where the state and one micro-batch of activations alone exceed the budget, the answer
+    comes before any layer is planned; "none" does not try recomputation."""
+    step, state, batch = abstract_train_inputs(gpt, GPT, BATCH)
+
+    def no_ilp(*args, **kwargs):
+        raise AssertionError("an ILP was built")
+
+    monkeypatch.setattr(ShardingProblem, "__init__", no_ilp)
+    with pytest.raises(autopar.MemoryBudgetError) as info:
+        autopar.plan(step, state, batch, method=_pipeline(9 * 2**20, "none"))
+    message = str(info.value)
+    assert "fits in 9.0 MiB per device" in message
+    assert "one micro-batch of activations" in message and "at least 10.9 MiB" in message
+    assert 'remat_mode="coarse_grained"' in message
+    assert info.value.least == pytest.approx(10.9 * 2**20, rel=0.01)
+
+
+def test_pipeline_budget_nothing_fits_says_both_were_tried(gpu_costs):
+    step, state, batch = abstract_train_inputs(gpt, GPT, BATCH)
+    with pytest.raises(autopar.MemoryBudgetError) as info:
+        autopar.plan(step, state, batch, method=_pipeline(5 * 2**20))
+    message = str(info.value)
+    assert "neither as the step is nor with each layer recomputed" in message
+    for option in ("num_micro_batches=4", "more devices", "memory_budget_per_device"):
+        assert option in message
+    with pytest.raises(autopar.MemoryBudgetError, match="stage 0 .* 2 micro-batches in flight"):
+        autopar.plan(step, state, batch, method=_pipeline(PIPELINE_TIGHT, "none"))
 
 
 def _gpt_problem(

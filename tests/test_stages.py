@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from autopar.options import AutoStageOption, ManualStageOption, UniformStageOption
-from autopar.planner.errors import InvalidArgumentError, PlanningError
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError, PlanningError
 from autopar.planner.schedules import PipelineSchedule, make_schedule
 from autopar.planner.stages import (
     StageCost,
@@ -401,7 +401,8 @@ def test_no_feasible_plan_names_the_memory():
         solve_stages(3, 1, 4, 4, cost_fn, 1.0)
     for change in ("more micro-batches", 'remat_mode="coarse_grained"', "more devices"):
         assert change in str(info.value)
-    with pytest.raises(PlanningError, match="rejected every candidate"):
+    assert isinstance(info.value, MemoryBudgetError) and info.value.least > info.value.budget
+    with pytest.raises(MemoryBudgetError, match="no candidate stage fits in 1 B"):
         solve_stages(3, 1, 4, 4, lambda *args: None, 1.0)
 
 
@@ -479,7 +480,7 @@ def test_uniform_stages_rejects_bad_splits(num_layers, cluster, option, match):
 
 
 def test_uniform_stages_checks_memory():
-    with pytest.raises(PlanningError, match=r"stage 0 .* needs 4 bytes .* 2 micro-batches"):
+    with pytest.raises(MemoryBudgetError, match=r"stage 0 .* needs 4 B .* 2 micro-batches"):
         uniform_stages(4, 1, 2, 4, _layer_cost([1.0] * 4, stash=1.0), 3.0, UniformStageOption(2))
 
 
