@@ -3,7 +3,8 @@
 A layer is a run of consecutive top-level eqns of the loss's forward jaxpr. They come either from
 the user's `autopar.mark_pipeline_boundary()` calls (`manual_layers`) or from clustering
 (`cluster_layers`): cut the eqns into L runs of at most (1+δ)·FLOPs/L each, cutting where the
-fewest bytes are live, so that little crosses from stage to stage.
+fewest bytes are live, so that little crosses from stage to stage; where the loss repeats a block,
+at one place of the block, so that layers of equally many blocks are one program to plan.
 
 Eqns that read only step inputs and constants (a parameter use, a constant broadcast) belong to no
 particular place: they *float* to the layer of their first reader, so a parameter is used where
