@@ -123,6 +123,7 @@ class MenuBuilder:
         self.batch_axis = batch_axis
         self.accumulable = accumulable  # gradient sums that may be reduced once per step
         self._menus: dict[int, Menu] = {}
+        self._costs: dict[tuple, Costs] = {}  # group_costs by class and members' context
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
         self._warned: set[str] = set()
 
@@ -262,11 +263,33 @@ class MenuBuilder:
         return math.prod(shape) * itemsize / tiles
 
     def group_costs(self, group: Group) -> Costs:
-        """Compute, own communication and internal resharding of each choice of `group`."""
+        """Compute, own communication and internal resharding of each choice of `group`; groups
+        of one class whose members weigh, overlap, count FLOPs and move memory alike share them
+        (the same layer repeated). Read-only: a Costs may be shared."""
         menu = self.menu(group)
-        costs = Costs.zeros(len(menu))
         if group.is_input:
-            return costs
+            return Costs.zeros(len(menu))
+        graph = self.grouping.graph
+        key = (
+            group.cls,
+            tuple(
+                (
+                    self.weights.get(member, 1.0),
+                    member in self.overlappable_nodes,
+                    self.roofline.traffic(node := graph.node(member)),
+                    self.roofline.strided_transpose(node),
+                    node.flops,
+                )
+                for member in group.members
+            ),
+        )
+        if key not in self._costs:
+            self._costs[key] = self._priced(group, menu)
+        return self._costs[key]
+
+    def _priced(self, group: Group, menu: Menu) -> Costs:
+        """The costs of `group`'s choices, priced member by member."""
+        costs = Costs.zeros(len(menu))
         graph = self.grouping.graph
         local = self._local_index(group)
         for j, member in enumerate(group.members):

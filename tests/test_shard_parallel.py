@@ -508,3 +508,28 @@ def test_no_plan_only_where_the_least_memory_plan_does_not_fit():
             assert problem.over_budget(budget).least > budget
         else:
             assert plan.predicted.memory_per_device_bytes <= budget
+
+
+def test_repeated_groups_share_their_costs_only_where_priced_alike():
+    """Groups of one class (the same layer repeated) are priced once, where their members'
+    weights (micro-batches), overlap, FLOPs and memory traffic agree: each group's shared costs
+    equal its own pricing, on a 4-layer GPT over 2 micro-batches."""
+    step_fn = gpt.make_train_step(autopar.value_and_grad)
+    config = GPTConfig(num_layers=4, seq_len=16, hidden=32)
+    state = gpt.create_train_state(config, batch_size=2)
+    args = (state, gpt.make_batch(config, 8))
+    method = autopar.ShardParallel(devices=FOUR, num_micro_batches=2)
+    traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
+    mesh = MeshPlan((2, 2), ("x", "y"), tuple(range(4)))
+    problem = ShardingProblem(
+        traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 2
+    )
+    builder, groups = problem.problem.builder, problem.problem.grouping.groups
+    priced = [g for g in groups if not g.is_input]
+    assert len(builder._costs) < len(priced)  # shared
+    for group, shared in zip(groups, problem.problem.group_costs, strict=True):
+        if group.is_input:
+            continue
+        own = builder._priced(group, builder.menu(group))
+        for name in ("compute", "blocking", "overlap", "comm_bytes"):
+            np.testing.assert_array_equal(getattr(shared, name), getattr(own, name))
