@@ -46,7 +46,7 @@ from autopar.planner.schedules import (
     candidate_schedules,
 )
 from autopar.planner.summary import format_bytes
-from autopar.remat import RematTrace, plan_with_remat
+from autopar.remat import RematTrace, plan_with_remat, recomputes_on
 from autopar.tracing import TracedStep
 
 logger = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ class PipeshardParallel(ParallelMethod):
         except MemoryBudgetError as without:
             option = self.layer_option
             auto = isinstance(option, AutoLayerOption) and option.remat_mode == "auto"
-            if not auto or request.cluster.platform != "gpu" or self.profiles:
+            if not auto or not recomputes_on(request.cluster) or self.profiles:
                 raise
             recomputed = dataclasses.replace(option, remat_mode="coarse_grained")
             logger.info(

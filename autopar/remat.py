@@ -37,6 +37,12 @@ LAYER_COUNTS = (2, 4, 8, 16, 32)  # layers to recompute separately, tried in ord
 RematTrace = Callable[[AutoLayerOption], TracedStep]  # the step traced with a layer option
 
 
+def recomputes_on(cluster: ClusterSpec) -> bool:
+    """Whether the planner recomputes activations by itself on `cluster` (GPU clusters only:
+    see the module docstring)."""
+    return cluster.platform == "gpu"
+
+
 def remat_layers(num_layers: int) -> AutoLayerOption:
     """The layer option of a step recomputed in `num_layers` layers."""
     return AutoLayerOption(layer_num=num_layers, remat_mode="coarse_grained")
@@ -54,7 +60,7 @@ def plan_with_remat(
     a MemoryBudgetError saying what to change when none does. `without` is the error of the
     plan without recomputation."""
     least, tried = without.least, 0
-    for n in LAYER_COUNTS if cluster.platform == "gpu" else ():
+    for n in LAYER_COUNTS if recomputes_on(cluster) else ():
         option = remat_layers(n)
         try:
             traced = trace(option)
@@ -76,7 +82,7 @@ def plan_with_remat(
         return traced, plan
     if tried:
         recomputed = f", nor recomputing activations in up to {tried} layers"
-    elif cluster.platform != "gpu":
+    elif not recomputes_on(cluster):
         recomputed = (
             f" (recomputation is not tried on the {cluster.platform} backend: its scheduler "
             "runs the recomputation early and keeps most of what it was meant to free)"

@@ -37,6 +37,16 @@ def gpu_costs():
     autopar.shutdown()
 
 
+def _error_after_two_steps(step, state, batch) -> float:
+    """Relative error of the parameters after two parallel steps against two serial ones."""
+    expected = jax.jit(gpt.train_step)
+    reference, parallel = state, state
+    for _ in range(2):
+        reference, _ = expected(reference, batch)
+        parallel, _ = step(parallel, batch)
+    return relative_error(parallel.params, reference.params)
+
+
 def test_tight_budget_recomputes_layers_and_matches_serial(gpu_costs):
     state = gpt.create_train_state(GPT, batch_size=2)
     batch = gpt.make_batch(GPT, BATCH)
@@ -49,12 +59,7 @@ def test_tight_budget_recomputes_layers_and_matches_serial(gpu_costs):
         gpt.make_train_step(autopar.value_and_grad), state, batch, method=_tight(64 * 2**20)
     )
     assert plan.predicted.flops > 1.2 * roomy.predicted.flops  # the forward pass, again
-    expected = jax.jit(gpt.train_step)
-    reference, parallel = state, state
-    for _ in range(2):
-        reference, _ = expected(reference, batch)
-        parallel, _ = step(parallel, batch)
-    assert relative_error(parallel.params, reference.params) <= 1e-5
+    assert _error_after_two_steps(step, state, batch) <= 1e-5
 
 
 def test_a_budget_that_fits_is_planned_without_recomputation(gpu_costs):
@@ -106,12 +111,7 @@ def test_pipeline_recomputes_layers_where_no_stage_plan_fits_and_matches_serial(
     assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
     assert any("recomputed" in note for note in plan.notes)
     assert plan.predicted.memory_per_device_bytes <= PIPELINE_TIGHT
-    expected = jax.jit(gpt.train_step)
-    reference, parallel = state, state
-    for _ in range(2):
-        reference, _ = expected(reference, batch)
-        parallel, _ = step(parallel, batch)
-    assert relative_error(parallel.params, reference.params) <= 1e-5
+    assert _error_after_two_steps(step, state, batch) <= 1e-5
 
 
 def test_pipeline_memory_floor_answers_before_any_ilp(gpu_costs, monkeypatch):
