@@ -24,7 +24,7 @@ import numpy as np
 
 from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
 from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
-from autopar.planner.groups import Grouping, Value
+from autopar.planner.groups import Grouping, Value, input_value
 from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.plan import Spec
 from autopar.planner.primitives import names_where
@@ -209,6 +209,19 @@ def live_bytes(num_steps: int, buffers: Iterable[tuple[float, int, int]]) -> np.
         diff[start] += size
         diff[end + 1] -= size
     return np.cumsum(diff)[:num_steps]
+
+
+def whole_peak_bytes(grouping: Grouping, live: Liveness) -> float:
+    """The step's peak with every argument, output and temporary whole. A plan on n devices
+    splits a value at most n ways, so at its peak it holds at least this / n per device (a
+    floor of the ILP's memory model, which adds only non-negative terms to these values)."""
+    inputs = (input_value(g.leader) for g in grouping.groups if g.is_input)
+    base = sum(value_aval(grouping, value).nbytes for value in inputs)
+    base += sum(value_aval(grouping, value).nbytes for value in live.outputs)
+    if not live.num_steps:
+        return float(base)
+    temps = ((value_aval(grouping, v).nbytes, start, end) for v, start, end in live.temporaries)
+    return float(base + live_bytes(live.num_steps, temps).max())
 
 
 def reduction_copy_bytes(

@@ -1,11 +1,13 @@
 """PipeshardParallel's planner: stages by Alpa's DP, each stage sharded by the intra-op ILP.
 
 1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
-2. Every layer is planned alone by the ILP, to within `CANDIDATE_GAP` of optimal, on every
-   candidate logical mesh (cost-model mode; data parallel over the first axis where the logical
-   space forces the batch dim there, `stage_intra_config`): its predicted time per
-   micro-batch, its state and its stashed activations, for its fastest plan and, where a
-   stage's fastest plan may not fit, plans squeezed into less memory (alternatives). Layers
+2. Every layer is planned alone by the ILP, to within `CANDIDATE_GAP` of optimal or
+   `CANDIDATE_TIME_SHARE` of the ILP's time limit, on every candidate logical mesh where its
+   memory floor fits (`memory.whole_peak_bytes`; cost-model mode; data parallel over the first
+   axis where the logical space forces the batch dim there, `stage_intra_config`): its
+   predicted time per micro-batch, its state and its stashed activations, for its fastest
+   plan and, while a stage's last plan may not fit, plans squeezed into less memory
+   (alternatives). Layers
    with the same structure (repeated transformer blocks) are planned once per mesh, and free
    meshes that differ only in the order of equal axes once. A candidate stage costs the sum of
    its layers' times, state and stashed activations plus the largest of their temporaries, one
@@ -43,7 +45,7 @@ from autopar.planner.intra import (
     Stash,
     program_structure,
 )
-from autopar.planner.memory import held_values
+from autopar.planner.memory import held_values, liveness, whole_peak_bytes
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
@@ -82,6 +84,9 @@ MAX_ALTERNATIVES = 3
 # are then planned exactly): a MIP proves the last fraction of a percent slowly, and the cost
 # model is not that precise.
 CANDIDATE_GAP = 0.01
+# ...and within this share of the ILP's time limit: a candidate is an estimate for the DP, and
+# a squeezed layer's memory-bound MIP can spend the whole limit closing the last percent.
+CANDIDATE_TIME_SHARE = 0.25
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -208,7 +213,9 @@ class _LayerPlans:
     ILP is built on first use (by whichever thread plans it)."""
 
     stage: StageProgram
+    mesh: MeshPlan
     build: Callable[[], ShardingProblem]
+    floor: float  # no plan needs less memory per device (`whole_peak_bytes`)
     found: list[LayerCost]
     budget: float
     exhausted: bool = False
@@ -226,12 +233,12 @@ class _LayerPlans:
 class LayerCosts:
     """The DP's cost_fn: each layer planned alone by the ILP, once per structure and mesh kind.
 
-    Squeezed alternatives are planned only for a stage whose fastest plan does not fit with as
+    A stage gets its next squeezed alternative only while its last one does not fit with as
     many micro-batches in flight as it could ever hold (one per layer after it, plus its own):
-    elsewhere the DP would never pick them, since it takes the fastest alternative that fits.
-    Nor where B micro-batches at the stage's fastest latency already take `step_bound_s` (the
-    step time of a plan found without it): a pipeline runs no faster than B times its slowest
-    stage, and squeezed plans are slower still.
+    past one that fits, the DP would never pick them, since it takes the fastest alternative
+    that fits. Nor where B micro-batches at the last one's latency already take `step_bound_s`
+    (the step time of a plan found without it): a pipeline runs no faster than B times its
+    slowest stage, and squeezed plans are slower still.
     """
 
     def __init__(
@@ -247,6 +254,7 @@ class LayerCosts:
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
+        self._whole_peaks: dict[int, float] = {}  # program_structure -> whole_peak_bytes
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
         self.step_bound_s = math.inf
@@ -294,23 +302,34 @@ class LayerCosts:
         self, candidates: Iterable[tuple[int, int, tuple, tuple]], workers: int | None = None
     ) -> None:
         """Plan the squeezed alternatives the DP will ask for among `candidates` (start, end,
-        submesh, logical), one layer's chain of squeezes per worker: each squeeze depends on
-        the last, but the chains of different layers and meshes do not."""
-        pending = {
-            id(plans): plans
-            for start, end, submesh, logical in candidates
-            if (found := self.fastest(start, end, submesh, logical))
-            and self._squeezes(found[0], end)
-            for layer in range(start, end)
-            if (plans := self._layer_plans(layer, logical)) is not None
-            and len(plans.found) < MAX_ALTERNATIVES
-            and not plans.exhausted
-        }
-        if not pending:
-            return
-        with ThreadPoolExecutor(min(len(pending), workers or os.cpu_count() or 1)) as pool:
-            chains = pool.map(self._squeeze_to, pending.values())
-            list(progress(chains, desc="squeezed layer plans", total=len(pending), unit="layer"))
+        submesh, logical), a level at a time: a stage gets its next level only where its last
+        one may still not fit (`_needs_tighter`). Within a level, each layer and mesh is one
+        task (its squeeze may take a second solve), all of them `workers` at a time."""
+        candidates = list(candidates)
+        for level in range(1, MAX_ALTERNATIVES):
+            pending = {
+                id(plans): plans
+                for start, end, submesh, logical in candidates
+                if self.fastest(start, end, submesh, logical)
+                for plans in self._to_squeeze(start, end, logical, level)
+            }
+            if not pending:
+                return
+            squeeze = functools.partial(self._squeeze_to, levels=level + 1)
+            with ThreadPoolExecutor(min(len(pending), workers or os.cpu_count() or 1)) as pool:
+                done = pool.map(squeeze, pending.values())
+                desc = f"squeezed layer plans, level {level}"
+                list(progress(done, desc=desc, total=len(pending), unit="layer"))
+
+    def _to_squeeze(self, start: int, end: int, logical: tuple, level: int) -> list[_LayerPlans]:
+        """The layers of stage [start, end) on `logical` (each with its fastest plan) still to
+        plan at squeeze `level`, as `__call__` would ask for them: none where the stage at a
+        level before fits or cannot win (`_needs_tighter`)."""
+        layers = [self._layer_plans(layer, logical) for layer in range(start, end)]
+        found = [plans.found for plans in layers]
+        if not all(self._needs_tighter(_stage_cost(found, lv), end) for lv in range(level)):
+            return []
+        return [plans for plans in layers if len(plans.found) == level and not plans.exhausted]
 
     def _squeeze_to(self, plans: _LayerPlans, levels: int = MAX_ALTERNATIVES) -> None:
         """Squeeze until the layer has `levels` plans or no more fit."""
@@ -320,7 +339,8 @@ class LayerCosts:
     def _layer_plans(self, layer: int, logical: tuple) -> _LayerPlans | None:
         """The plans of `layer` on `logical` so far, shared by every layer of the same structure
         (up to the order of its ops and inputs) on the same mesh kind; None where the layer
-        cannot run on it."""
+        cannot run on it, or never fits there (its floor, `whole_peak_bytes`, says so without
+        building the ILP)."""
         stage = self.layer_program(layer)
         intra = stage_intra_config(self.config, logical, self.program.signature)
         if intra is None:
@@ -332,24 +352,41 @@ class LayerCosts:
             kind = tuple(sorted(kind))  # free axes of equal size and links can be swapped
         if layer not in self._structures:
             self._structures[layer] = program_structure(stage.program)
-        key = (self._structures[layer], kind, intra.force_batch_dim_to_mesh_dim)
+        structure = self._structures[layer]
+        if structure not in self._whole_peaks:
+            grouping = group_graph(stage.program.graph)
+            cpu = self.cluster.platform == "cpu"
+            live = liveness(grouping, stage.program.signature, dot_operand_copies=cpu)
+            self._whole_peaks[structure] = whole_peak_bytes(grouping, live)
+        floor = self._whole_peaks[structure] / math.prod(logical)
+        if floor > self.device_memory:
+            return None
+        key = (structure, kind, intra.force_batch_dim_to_mesh_dim)
         if key not in self._plans:
             k = self.config.num_micro_batches
-            intra = dataclasses.replace(intra, relative_gap=CANDIDATE_GAP)
+            intra = dataclasses.replace(
+                intra,
+                relative_gap=CANDIDATE_GAP,
+                time_limit_s=CANDIDATE_TIME_SHARE * intra.time_limit_s,
+            )
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
-            self._plans[key] = _LayerPlans(stage, build, [], self.device_memory)
+            self._plans[key] = _LayerPlans(stage, mesh, build, floor, [], self.device_memory)
         return self._plans[key]
 
     def _squeeze(self, plans: _LayerPlans) -> None:
-        """Plan the layer once more, within the budget its last plan left."""
-        with self._count_lock:
-            self.ilp_solves += 1
+        """Plan the layer once more, within the budget its last plan left (no ILP where that
+        is below the layer's floor)."""
         start = time.perf_counter()
-        plan = plans.problem.solve(plans.budget, as_emitted=False)
+        if plans.budget < plans.floor:
+            plan = None
+        else:
+            with self._count_lock:
+                self.ilp_solves += 1
+            plan = plans.problem.solve(plans.budget, as_emitted=False)
         logger.debug(
             "layers %s on mesh %s within %.3g GiB: %s in %.2f s",
             plans.stage.layers,
-            plans.problem.mesh_plan.shape,
+            plans.mesh.shape,
             plans.budget / 2**30,
             "no plan" if plan is None else "a plan",
             time.perf_counter() - start,
@@ -373,22 +410,27 @@ class LayerCosts:
     def __call__(
         self, start: int, end: int, submesh: tuple, logical: tuple
     ) -> tuple[StageCost, ...]:
-        """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring),
-        one alternative per squeeze level (a layer with fewer levels stays at its tightest)."""
-        found = self.fastest(start, end, submesh, logical)
-        if not found or not self._squeezes(found[0], end):
-            return found
-        layers = [self.layer_costs(layer, logical) for layer in range(start, end)]
-        return tuple(_stage_cost(layers, level) for level in range(max(map(len, layers))))
+        """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring):
+        its fastest alternative, then one per squeeze level as long as the last may not fit (a
+        layer with fewer levels stays at its tightest)."""
+        found = list(self.fastest(start, end, submesh, logical))
+        while found and len(found) < MAX_ALTERNATIVES and self._needs_tighter(found[-1], end):
+            level = len(found)
+            layers = [self.layer_costs(layer, logical, level + 1) for layer in range(start, end)]
+            if all(len(costs) <= level for costs in layers):
+                break  # every layer is at its tightest
+            found.append(_stage_cost(layers, level))
+        return tuple(found)
 
-    def _squeezes(self, fastest: StageCost, end: int) -> bool:
-        """Whether the DP gets squeezed alternatives of a stage ending at layer `end`, given
-        its cost at its layers' fastest plans (the class docstring)."""
+    def _needs_tighter(self, cost: StageCost, end: int) -> bool:
+        """Whether the DP may need a tighter alternative than `cost` for a stage ending at layer
+        `end`: it does not fit with as many micro-batches in flight as the stage could ever
+        hold, and it is not hopeless (the class docstring; tighter plans are slower still)."""
         most_in_flight = self.config.most_in_flight(self.parts.num_layers - end)
-        need = fastest.static_memory_bytes + most_in_flight * fastest.activation_memory_bytes
-        # even at its fastest, a plan with this stage would be no better than the bound (every
+        need = cost.static_memory_bytes + most_in_flight * cost.activation_memory_bytes
+        # even at this speed, a plan with this stage would be no better than the bound (every
         # schedule's step is at least B times its slowest stage):
-        hopeless = self.config.num_micro_batches * fastest.latency_s >= self.step_bound_s
+        hopeless = self.config.num_micro_batches * cost.latency_s >= self.step_bound_s
         return need > self.device_memory * self.config.least_memory_share and not hopeless
 
     def fastest(

@@ -16,7 +16,9 @@ import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
 from autopar.planner.draw import _stages_of_device
+from autopar.planner.groups import group_graph
 from autopar.planner.intra import IntraOpConfig, ShardingProblem, Stash, plan_shard_parallel
+from autopar.planner.memory import liveness, whole_peak_bytes
 from autopar.planner.pipeline import place_stages, split_step
 from autopar.planner.pipeshard import (
     LayerCosts,
@@ -380,6 +382,51 @@ def test_stages_slower_than_a_plan_at_the_fastest_layer_plans_are_not_squeezed()
     tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
     pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _UnboundedLayerCosts)
+
+
+class _AllLevelsLayerCosts(LayerCosts):
+    """LayerCosts that gives a stage every squeeze level once its fastest plan may not fit,
+    even past a level that fits."""
+
+    def __call__(self, start, end, submesh, logical):
+        found = self.fastest(start, end, submesh, logical)
+        if found and self._needs_tighter(found[0], end):
+            for layer in range(start, end):
+                self.layer_costs(layer, logical)
+        return super().__call__(start, end, submesh, logical)
+
+
+def test_no_squeeze_level_past_one_that_fits():
+    """A stage whose squeezed alternative fits with the most micro-batches it could hold never
+    needs a tighter one (the DP takes the fastest that fits): same plan, fewer solves."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
+    tight = 1.4 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
+    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _AllLevelsLayerCosts)
+
+
+def test_a_layer_over_its_memory_floor_builds_no_ilp():
+    """Every value of a layer split over all n devices is the least any plan holds
+    (`whole_peak_bytes` / n, at most the ILP's least memory): on a mesh where that exceeds the
+    budget the layer has no candidate and no ILP is built or solved, while a mesh of more
+    devices still gets its plan."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    stage = range_program(parts, traced.program.signature, 1, 2).program
+    grouping = group_graph(stage.graph)
+    whole = whole_peak_bytes(grouping, liveness(grouping, stage.signature, dot_operand_copies=True))
+    for logical in ((1, 2), (1, 8), (2, 4)):
+        assert whole / math.prod(logical) <= _layer_problem(logical).ilp.least_memory()
+    budget = whole / 3  # over the floor on 2 devices, under it on 8
+    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=budget))
+    costs = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    assert costs.layer_costs(1, (1, 2), 1) == ()
+    assert costs.ilp_solves == 0 and not costs._plans
+    assert _layer_problem((1, 2)).solve(budget) is None  # the ILP agrees
+    assert costs.layer_costs(1, (1, 8), 1)
+    assert costs.ilp_solves == 1
 
 
 def test_squeezed_layer_plans_only_where_a_stage_may_not_fit():
