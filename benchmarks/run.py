@@ -30,10 +30,10 @@ Methods: within one host (<= 8 devices) ShardParallel, the intra-op ILP with gra
 accumulation over the micro-batches, recomputing activations where nothing fits without
 (`autopar.remat`). Where no ShardParallel plan fits device memory even so, the case falls back to
 PipeshardParallel on that host (as Alpa's own 4- and 8-GPU GPT plans are pipelines inside one
-host), marked † in the tables. Across
-hosts PipeshardParallel with `AutoLayerOption(max(4, 2 x hosts), remat_mode="coarse_grained")`
-and `AutoStageOption()` (Alpa's stage DP). The ILP solver is HiGHS with `--time-limit` seconds
-per solve.
+host), marked † in the tables. Across hosts PipeshardParallel with
+`AutoLayerOption(max(4, 2 x hosts))` (its default `remat_mode="auto"`: each layer recomputed
+only where no plan fits without) and `AutoStageOption()` (Alpa's stage DP). The ILP solver is
+HiGHS with `--time-limit` seconds per solve.
 
 Each case is planned in its own process (plan cache off). Planning (what `autopar.plan` takes:
 trace + plan) is capped at `--case-timeout` seconds of wall time: a case not planned by then is
@@ -206,9 +206,7 @@ def _method(kind: str, case: Case, args: argparse.Namespace):
         )
     return autopar.PipeshardParallel(
         num_micro_batches=case.micro_batches,
-        layer_option=autopar.AutoLayerOption(
-            layer_num=pipeshard_layers(case.hosts), remat_mode="coarse_grained"
-        ),
+        layer_option=autopar.AutoLayerOption(layer_num=pipeshard_layers(case.hosts)),
         stage_option=autopar.AutoStageOption(),
         auto_sharding_option=option,
     )
@@ -589,7 +587,8 @@ def _header(result: dict[str, Any]) -> list[str]:
         "host; † = no ShardParallel plan fits device memory even so, so PipeshardParallel on "
         "that host instead, as Alpa's "
         f"own 4- and 8-GPU GPT plans; PipeshardParallel (AutoLayerOption({s['pipeshard_layers']} "
-        "layers, coarse-grained remat), Alpa's stage DP) across hosts. ILP solver "
+        "layers, layers recomputed where nothing fits without), Alpa's stage DP) across hosts. "
+        "ILP solver "
         f"{s['solver']}, {s['time_limit_s']:.0f} s limit per plan's ILP work. Each case runs in "
         f"its own process, capped at {s['case_timeout_s']:.0f} s of wall time for planning "
         f"(trace + plan) and {s.get('baselines_timeout_s', 0):.0f} s more for pricing the "
