@@ -331,7 +331,7 @@ class LayerCosts:
             return []
         return [plans for plans in layers if len(plans.found) == level and not plans.exhausted]
 
-    def _squeeze_to(self, plans: _LayerPlans, levels: int = MAX_ALTERNATIVES) -> None:
+    def _squeeze_to(self, plans: _LayerPlans, levels: int) -> None:
         """Squeeze until the layer has `levels` plans or no more fit."""
         while len(plans.found) < min(levels, MAX_ALTERNATIVES) and not plans.exhausted:
             self._squeeze(plans)
