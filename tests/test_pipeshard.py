@@ -300,14 +300,20 @@ def test_prefetched_layer_plans_equal_sequential_ones():
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
 
 
+def _tight(traced, parts, pipeline, cluster, factor: float) -> PipelineConfig:
+    """`pipeline` with a budget of `factor` times layer 1's fastest plan on 2 devices: tight
+    enough that stages need squeezed alternatives."""
+    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
+    tight = factor * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
+    return dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+
+
 def test_squeezed_layer_plans_prefetched_in_parallel_equal_lazy_ones():
     """Under a budget where stages need squeezed alternatives, planning the squeeze chains two
     at a time before the DP gives the DP the alternatives it would plan one by one."""
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
-    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
-    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
-    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
     stages = [
         (start, end, (1, devices), (1, devices))
         for start in range(parts.num_layers)
@@ -367,9 +373,7 @@ def test_stages_slower_than_a_plan_within_hosts_are_not_squeezed():
     cluster = dataclasses.replace(
         autopar.ClusterSpec.local(8), num_hosts=2, devices_per_host=4, inter_host_bandwidth=1e8
     )
-    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
-    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
-    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (2, 4), _UnboundedLayerCosts)
 
 
@@ -378,9 +382,7 @@ def test_stages_slower_than_a_plan_at_the_fastest_layer_plans_are_not_squeezed()
     the DP) bounds the step time: slower stages are not squeezed, and the plan is the same."""
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
-    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
-    tight = 1.6 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
-    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _UnboundedLayerCosts)
 
 
@@ -401,9 +403,7 @@ def test_no_squeeze_level_past_one_that_fits():
     needs a tighter one (the DP takes the fastest that fits): same plan, fewer solves."""
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
-    fastest = LayerCosts(parts, traced.program, cluster, pipeline, 8).layer_costs(1, (1, 2), 1)[0]
-    tight = 1.4 * (fastest.state_bytes + fastest.stash_bytes + fastest.temporary_bytes)
-    pipeline = dataclasses.replace(pipeline, intra=IntraOpConfig(memory_budget_per_device=tight))
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.4)
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _AllLevelsLayerCosts)
 
 
