@@ -105,18 +105,22 @@ def submesh_shapes(
 ) -> list[tuple[int, int]]:
     """Alpa's sub-mesh shapes: slices of one host, then runs of whole hosts.
 
-    "power_of_two": (1,1),(1,2),(1,4),..,(1,M); "all": every (1,k); both then (2,M)..(N,M).
-    Keeping slices inside a host keeps a stage's collectives on the fast intra-host links.
+    "power_of_two" (Alpa's default): (1,1),(1,2),(1,4),..,(1,M), then (2,M),(4,M),(8,M).. up to
+    N hosts; "all": every (1,k), then every (h,M). Keeping slices inside a host keeps a stage's
+    collectives on the fast intra-host links; a power-of-two space also keeps the stage search
+    (one layer ILP per layer and logical mesh) small on many hosts.
     """
     _check_cluster(num_hosts, devices_per_host)
     if space not in PHYSICAL_SPACES:
         raise InvalidArgumentError(f"space must be one of {PHYSICAL_SPACES}, got {space!r}")
     if space == "all":
         widths = list(range(1, devices_per_host + 1))
+        hosts = list(range(2, num_hosts + 1))
     else:
         widths = [2**k for k in range(devices_per_host.bit_length()) if 2**k < devices_per_host]
         widths.append(devices_per_host)
-    return [(1, k) for k in widths] + [(h, devices_per_host) for h in range(2, num_hosts + 1)]
+        hosts = [2**k for k in range(1, num_hosts.bit_length()) if 2**k <= num_hosts]
+    return [(1, k) for k in widths] + [(h, devices_per_host) for h in hosts]
 
 
 def logical_mesh_shapes(

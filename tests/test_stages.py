@@ -54,7 +54,8 @@ def _step(latencies, num_micro_batches: int, schedule: str = "1f1b") -> float:
         ((1, 8), "all", [(1, k) for k in range(1, 9)]),
         ((2, 8), "power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]),
         ((2, 8), "all", [(1, k) for k in range(1, 9)] + [(2, 8)]),
-        ((8, 8), "power_of_two", [(1, 1), (1, 2), (1, 4)] + [(h, 8) for h in range(1, 9)]),
+        ((8, 8), "power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8)]),
+        ((3, 4), "power_of_two", [(1, 1), (1, 2), (1, 4), (2, 4)]),
         ((8, 8), "all", [(1, k) for k in range(1, 8)] + [(h, 8) for h in range(1, 9)]),
     ],
 )
