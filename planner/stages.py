@@ -117,10 +117,15 @@ def submesh_shapes(
         widths = list(range(1, devices_per_host + 1))
         hosts = list(range(2, num_hosts + 1))
     else:
-        widths = [2**k for k in range(devices_per_host.bit_length()) if 2**k < devices_per_host]
+        widths = [w for w in _powers_of_two(devices_per_host) if w < devices_per_host]
         widths.append(devices_per_host)
-        hosts = [2**k for k in range(1, num_hosts.bit_length()) if 2**k <= num_hosts]
+        hosts = _powers_of_two(num_hosts)[1:]
     return [(1, k) for k in widths] + [(h, devices_per_host) for h in hosts]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """1, 2, 4, .. up to n."""
+    return [2**k for k in range(n.bit_length())]
 
 
 def logical_mesh_shapes(
