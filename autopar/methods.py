@@ -350,7 +350,10 @@ class PipeshardParallel(ParallelMethod):
             plan = self._plan_traced(traced, request)
         except MemoryBudgetError as e:
             least = (
-                f"; {format_bytes(e.least)} per device at least" if math.isfinite(e.least) else ""
+                f"; of the stage plans it priced, the one that needs least needs "
+                f"{format_bytes(e.least)} per device"
+                if math.isfinite(e.least)
+                else ""
             )
             raise MemoryBudgetError(
                 f"no pipeline plan fits in {format_bytes(e.budget)} per device, neither as the "

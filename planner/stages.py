@@ -534,13 +534,17 @@ class _Candidates:
     alternatives for it, and `costs` maps an index to that (logical mesh, cost).
 
     latency is inf where there is no such variant (cost_fn said None, or the range runs past the
-    last layer); max_after is the most stages that may follow the stage within device memory
-    (-1: it never fits).
+    last layer), and so is its static memory; max_after is the most stages that may follow the
+    stage within device memory (-1: it never fits); flights[after] is how many micro-batches a
+    stage with `after` stages behind it keeps.
     """
 
     cluster: tuple[int, int]
     submeshes: tuple[tuple[int, int], ...]
     latency: np.ndarray
+    static: np.ndarray
+    activation: np.ndarray
+    flights: tuple[int, ...]
     max_after: np.ndarray
     costs: dict[tuple[int, int, int, int], tuple[tuple[int, int], StageCost]]
 
@@ -586,11 +590,13 @@ def _collect(
     # Fitting is monotone in the stages after, so count how many counts fit (with the
     # expression of Pipelining.memory_need, so the DP and the fixed plans' checks agree to the
     # bit).
+    flights = tuple(pipe.schedule.in_flight(a, pipe.num_micro_batches) for a in range(max_stages))
     max_after = np.full(shape, -1)
-    for after in range(max_stages):
-        flight = pipe.schedule.in_flight(after, pipe.num_micro_batches)
+    for flight in flights:
         max_after += static + flight * activation <= device_memory
-    return _Candidates(cluster, tuple(submeshes), latency, max_after, costs)
+    return _Candidates(
+        cluster, tuple(submeshes), latency, static, activation, flights, max_after, costs
+    )
 
 
 def _best_logical(cands: _Candidates, num_after: int, low: float, high: float) -> np.ndarray:
@@ -624,7 +630,13 @@ class _Plan:
 _Choices = list[tuple[np.ndarray, np.ndarray, float]]
 
 
-def _least_sum_dp(table: np.ndarray, sizes: np.ndarray, num_devices: int, bound: float) -> _Choices:
+def _least_sum_dp(
+    table: np.ndarray,
+    sizes: np.ndarray,
+    num_devices: int,
+    bound: float,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+) -> _Choices:
     """Alpa's F(s, k, d) for one bound t_max on stage latency (§5.2).
 
     F(s, k, d) = min over the first stage [k, k+len) on sub-mesh m of
@@ -632,7 +644,8 @@ def _least_sum_dp(table: np.ndarray, sizes: np.ndarray, num_devices: int, bound:
     backwards, so the first stage of F(s, ..) has s−1 stages after it, which is what its memory
     (table[s−1]) depends on. Returns, per s, the chosen range length and sub-mesh for each
     (k, d) and F(s, 0, all devices). Each sub-mesh only scans the range lengths some stage
-    within the bound has (a band) and the device counts it fits in.
+    within the bound has (a band) and the device counts it fits in. `combine=np.maximum`
+    gives the least largest stage value instead of the least sum (`_least_memory`).
     """
     num_after, num_layers, _, num_meshes = table.shape
     longest = (table[0] <= bound).any(axis=0)  # [length - 1, submesh]: any start within bound
@@ -654,7 +667,7 @@ def _least_sum_dp(table: np.ndarray, sizes: np.ndarray, num_devices: int, bound:
                 continue
             stage = table[s - 1, :starts, :width, m]
             stage = np.where(stage <= bound, stage, np.inf)
-            total = stage[:, None, :] + rest[:, : num_devices + 1 - size, :width]
+            total = combine(stage[:, None, :], rest[:, : num_devices + 1 - size, :width])
             arg = total.argmin(axis=-1)
             value = total.min(axis=-1)
             target = cur[:starts, size:]
@@ -797,6 +810,20 @@ def _assignments(cands: _Candidates, plan: _Plan) -> tuple[StageAssignment, ...]
     return tuple(stages)
 
 
+def _least_memory(cands: _Candidates) -> tuple[float, list[tuple[int, int, int]]]:
+    """The least memory per device of any plan made of the candidates (every layer, every
+    device), and its stages (start, end, submesh): the min-max DP of `_least_sum_dp` over each
+    stage's least need with the stages after it, whatever its latency."""
+    table = np.stack([(cands.static + f * cands.activation).min(axis=-1) for f in cands.flights])
+    sizes, num_devices = cands.sizes, cands.num_devices
+    choices = _least_sum_dp(table, sizes, num_devices, math.inf, combine=np.maximum)
+    roots = [root for _, _, root in choices]
+    if not roots or not math.isfinite(min(roots)):
+        return math.inf, []
+    num_stages = 1 + int(np.argmin(roots))
+    return min(roots), _trace(choices, sizes, num_stages, num_devices)
+
+
 def _no_plan_error(
     cands: _Candidates, num_layers: int, device_memory: float, max_stages: int, pipe: Pipelining
 ) -> MemoryBudgetError:
@@ -810,19 +837,27 @@ def _no_plan_error(
             device_memory,
             math.inf,
         )
-    least = min(c.static_memory_bytes + c.activation_memory_bytes for _, c in cands.costs.values())
+    least, stages = _least_memory(cands)
     keeps = (
         f"all {pipe.num_micro_batches} micro-batches of activations"
         if pipe.schedule is PipelineSchedule.GPIPE
         else "a micro-batch of activations for each stage after it"
     )
+    closest = (
+        f" ({len(stages)} stage(s): "
+        + ", ".join(f"[{a},{b}) on {cands.submeshes[m]}" for a, b, m in stages[:8])
+        + (", ..." if len(stages) > 8 else "")
+        + ")"
+        if stages
+        else ""
+    )
     return MemoryBudgetError(
         f"no stage plan for {where} fits in {format_bytes(device_memory)} per device: under "
-        f"{pipe.schedule.value} a stage keeps {keeps}, and the least any single candidate "
-        f"stage needs with one is {format_bytes(least)} (state plus one micro-batch of "
-        "activations); use more micro-batches (smaller ones), "
+        f"{pipe.schedule.value} a stage keeps {keeps}, and of the stages the search priced, "
+        f"the plan that needs least needs {format_bytes(least)} per device{closest}; use more "
+        "micro-batches (smaller ones), "
         'AutoLayerOption(remat_mode="coarse_grained") (a stage keeps only its layers\' inputs), '
-        "or more devices",
+        "more devices, or that much memory",
         device_memory,
         least,
     )

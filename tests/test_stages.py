@@ -290,6 +290,48 @@ def test_dp_picks_among_alternatives_like_brute_force(seed):
     assert solution.step_latency_s == pytest.approx(expected)
 
 
+def _least_need(num_layers, cluster, num_micro_batches, table):
+    """Brute force: the least memory per device, over every plan that uses every device and
+    packs, of its stage that needs most (state plus the micro-batches in flight)."""
+    by_range = collections.defaultdict(list)
+    for (a, b, submesh, _), entry in table.items():
+        by_range[a, b] += [(submesh, cost) for cost in _as_tuple(entry)]
+    least = math.inf
+    for cuts in itertools.chain.from_iterable(
+        itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
+    ):
+        ranges = list(itertools.pairwise((0, *cuts, num_layers)))
+        for plan in _using_every_device([by_range[r] for r in ranges], cluster[0] * cluster[1]):
+            try:
+                place_submeshes([s for s, _ in plan], *cluster)
+            except InvalidArgumentError:
+                continue
+            need = max(
+                cost.static_memory_bytes
+                + IN_FLIGHT["1f1b"](len(plan) - 1 - k, num_micro_batches)
+                * cost.activation_memory_bytes
+                for k, (_, cost) in enumerate(plan)
+            )
+            least = min(least, need)
+    return least
+
+
+@pytest.mark.parametrize("seed", range(700, 720))
+def test_no_plan_names_the_least_memory_a_plan_needs_like_brute_force(seed):
+    """Where nothing fits, the error names the least memory per device of any plan of the
+    candidates (a min-max DP over the same table), and that much memory gets a plan."""
+    num_layers, cluster, batches, table, _ = _instance(seed, alternatives=True)
+    least = _least_need(num_layers, cluster, batches, table)
+    if least == math.inf:
+        return
+    with pytest.raises(MemoryBudgetError, match="the plan that needs least needs") as info:
+        _solve(num_layers, cluster, batches, table, least * 0.999)
+    assert info.value.least == pytest.approx(least)
+    assert info.value.budget == pytest.approx(least * 0.999)
+    solution = _solve(num_layers, cluster, batches, table, least * 1.001)
+    _check_valid(solution, num_layers, cluster, batches, table, least * 1.001)
+
+
 @pytest.mark.parametrize("seed", range(100, 120))
 def test_dp_matches_brute_force_with_all_shapes(seed):
     """Every (1,k) slice and every factorisation, on clusters where such slices always pack."""
@@ -398,8 +440,10 @@ def test_logical_space_restricts_the_logical_meshes():
 
 def test_no_feasible_plan_names_the_memory():
     cost_fn = _layer_cost([1.0] * 3, stash=10.0)
-    with pytest.raises(PlanningError, match=r"fits in 1 B .* needs with one is 2 B") as info:
+    # Least: one stage of the 3 layers on all 4 devices keeps one micro-batch of 30 B / 4.
+    with pytest.raises(PlanningError, match=r"fits in 1 B .* needs least needs 7 B") as info:
         solve_stages(3, 1, 4, 4, cost_fn, 1.0)
+    assert "1 stage(s): [0,3) on (1, 4)" in str(info.value)
     for change in ("more micro-batches", 'remat_mode="coarse_grained"', "more devices"):
         assert change in str(info.value)
     assert isinstance(info.value, MemoryBudgetError) and info.value.least > info.value.budget
