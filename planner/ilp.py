@@ -350,12 +350,8 @@ class IntraOpIlp:
         if result is None:
             return None
         choices, optimal, rounds = result
-        if not optimal:
-            logger.warning(
-                "the sharding ILP hit its time limit (%.3g s); using the best plan found, which "
-                "may not be optimal (raise AutoShardingOption.time_limit_s)",
-                self.time_limit_s,
-            )
+        if not optimal:  # the caller warns where the plan is one a user gets
+            logger.debug("the sharding ILP hit its time limit (%.3g s)", self.time_limit_s)
         return Solution(choices, optimal, time.perf_counter() - start, rounds)
 
     def least_memory(self) -> float:

@@ -501,7 +501,9 @@ class ShardingProblem:
 
         With `as_emitted` False, the ILP's fastest plan within `budget` by its own memory
         model, whatever its resharded copies add (the plan's prediction counts them): a
-        candidate to price, such as a pipeline layer, skips the corrections' extra solves."""
+        candidate to price, such as a pipeline layer, skips the corrections' extra solves. A
+        candidate's ILP may stop at its time limit by design, so only a plan solved as emitted
+        warns when it does."""
         start = time.perf_counter()
         program, problem = self.program, self.problem
         deadline = start + self.ilp.time_limit_s
@@ -512,6 +514,12 @@ class ShardingProblem:
         if found is None:
             return None
         solution, choice, stage, predicted = found
+        if as_emitted and solution is not None and not solution.optimal:
+            logger.warning(
+                "the sharding ILP hit its time limit (%.3g s); using the best plan found, which "
+                "may not be optimal (raise AutoShardingOption.time_limit_s)",
+                self.ilp.time_limit_s,
+            )
         if self.reduce_scatter_once:
             stage, predicted = self._scatter_once(choice, budget, stage, predicted)
         elapsed = self.build_seconds + time.perf_counter() - start

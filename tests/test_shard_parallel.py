@@ -510,6 +510,32 @@ def test_no_plan_only_where_the_least_memory_plan_does_not_fit():
             assert plan.predicted.memory_per_device_bytes <= budget
 
 
+def test_only_a_plan_solved_as_emitted_warns_of_the_time_limit(monkeypatch, caplog):
+    """Candidate ILPs (pipeline layers priced for the stage search) stop at their time limit by
+    design, dozens of times a search: only a plan a user gets warns that it hit the limit."""
+    step_fn, params, batch = _adam_mlp(8, 64, 128)
+    args = (params, batch)
+    method = autopar.ShardParallel(devices=FOUR)
+    traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
+    mesh = MeshPlan((4,), ("x",), tuple(range(4)))
+    problem = ShardingProblem(
+        traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 1
+    )
+    solve = type(problem.ilp).solve
+
+    def stopped_at_the_limit(self, *args, **kwargs):
+        solution = solve(self, *args, **kwargs)
+        return solution and dataclasses.replace(solution, optimal=False)
+
+    monkeypatch.setattr(type(problem.ilp), "solve", stopped_at_the_limit)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        assert problem.solve(1e12, as_emitted=False) is not None
+        assert not [r for r in caplog.records if "time limit" in r.getMessage()]
+        assert problem.solve(1e12) is not None
+    warned = [r for r in caplog.records if "time limit" in r.getMessage()]
+    assert len(warned) == 1 and "AutoShardingOption.time_limit_s" in warned[0].getMessage()
+
+
 def test_repeated_groups_share_their_costs_only_where_priced_alike():
     """Groups of one class (the same layer repeated) are priced once, where their members'
     weights (micro-batches), overlap, FLOPs and memory traffic agree: each group's shared costs
