@@ -485,19 +485,22 @@ def test_one_device_plans_move_no_bytes():
     assert plan.predicted.communication_s == 0
 
 
+def _adam_mlp_problem(*shape: int) -> ShardingProblem:
+    """The ILP of `_adam_mlp(*shape)`'s ShardParallel step on a (4,) mesh, one micro-batch."""
+    step_fn, params, batch = _adam_mlp(*shape)
+    args = (params, batch)
+    method = autopar.ShardParallel(devices=FOUR)
+    traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
+    mesh = MeshPlan((4,), ("x",), tuple(range(4)))
+    return ShardingProblem(traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 1)
+
+
 def test_no_plan_only_where_the_least_memory_plan_does_not_fit():
     """The ILP does not see resharded copies, so its plans may emit over a budget they were
     asked for: solve then falls back to the least-memory plan, as emitted. It returns None
     exactly where that plan does not fit, so the error's least memory is above the budget
     (before, it named the ILP's own least, below a budget nothing was found for)."""
-    step_fn, params, batch = _adam_mlp(8, 512, 2048)
-    args = (params, batch)
-    method = autopar.ShardParallel(devices=FOUR)
-    traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
-    mesh = MeshPlan((4,), ("x",), tuple(range(4)))
-    problem = ShardingProblem(
-        traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 1
-    )
+    problem = _adam_mlp_problem(8, 512, 2048)
     least = problem.least_memory()
     fitted = problem.solve(least)
     assert fitted is not None and fitted.predicted.memory_per_device_bytes <= least
@@ -513,14 +516,7 @@ def test_no_plan_only_where_the_least_memory_plan_does_not_fit():
 def test_only_a_plan_solved_as_emitted_warns_of_the_time_limit(monkeypatch, caplog):
     """Candidate ILPs (pipeline layers priced for the stage search) stop at their time limit by
     design, dozens of times a search: only a plan a user gets warns that it hit the limit."""
-    step_fn, params, batch = _adam_mlp(8, 64, 128)
-    args = (params, batch)
-    method = autopar.ShardParallel(devices=FOUR)
-    traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
-    mesh = MeshPlan((4,), ("x",), tuple(range(4)))
-    problem = ShardingProblem(
-        traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 1
-    )
+    problem = _adam_mlp_problem(8, 64, 128)
     solve = type(problem.ilp).solve
 
     def stopped_at_the_limit(self, *args, **kwargs):

@@ -156,20 +156,30 @@ def _random_table(rng, num_layers, cluster, physical_space, logical_space, alter
     return table, float(np.quantile(needs, 0.7))
 
 
+def _costs_by_range(table):
+    """(start, end) -> every (sub-mesh, cost) the table offers for that layer range."""
+    by_range = collections.defaultdict(list)
+    for (a, b, submesh, _), entry in table.items():
+        by_range[a, b] += [(submesh, cost) for cost in _as_tuple(entry)]
+    return by_range
+
+
+def _layer_splits(num_layers):
+    """Every split of the layers into contiguous ranges, as lists of (start, end)."""
+    for cuts in itertools.chain.from_iterable(
+        itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
+    ):
+        yield list(itertools.pairwise((0, *cuts, num_layers)))
+
+
 def _brute_force(
     num_layers, cluster, num_micro_batches, table, memory, space, tolerance, schedule="1f1b"
 ):
     """Least step over every layer split, sub-mesh and logical mesh choice that fits and packs."""
     num_devices = cluster[0] * cluster[1]
-    by_range = collections.defaultdict(list)
-    for (a, b, submesh, _), entry in table.items():
-        by_range[a, b] += [(submesh, cost) for cost in _as_tuple(entry)]
+    by_range = _costs_by_range(table)
     best = math.inf
-    for cuts in itertools.chain.from_iterable(
-        itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
-    ):
-        bounds = (0, *cuts, num_layers)
-        ranges = list(itertools.pairwise(bounds))
+    for ranges in _layer_splits(num_layers):
         choices = [
             [
                 (submesh, cost)
@@ -293,14 +303,9 @@ def test_dp_picks_among_alternatives_like_brute_force(seed):
 def _least_need(num_layers, cluster, num_micro_batches, table):
     """Brute force: the least memory per device, over every plan that uses every device and
     packs, of its stage that needs most (state plus the micro-batches in flight)."""
-    by_range = collections.defaultdict(list)
-    for (a, b, submesh, _), entry in table.items():
-        by_range[a, b] += [(submesh, cost) for cost in _as_tuple(entry)]
+    by_range = _costs_by_range(table)
     least = math.inf
-    for cuts in itertools.chain.from_iterable(
-        itertools.combinations(range(1, num_layers), k) for k in range(num_layers)
-    ):
-        ranges = list(itertools.pairwise((0, *cuts, num_layers)))
+    for ranges in _layer_splits(num_layers):
         for plan in _using_every_device([by_range[r] for r in ranges], cluster[0] * cluster[1]):
             try:
                 place_submeshes([s for s, _ in plan], *cluster)
