@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel lint
+.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel bench-remat lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench-fuzz: $(STAMP)
 
 bench-costmodel: $(STAMP)
 	$(VENV)/bin/python benchmarks/cost_model.py
+
+# Recomputation against XLA's memory analysis on one device (meant for a GPU: JAX_PLATFORMS=cuda).
+bench-remat: $(STAMP)
+	$(VENV)/bin/python benchmarks/remat_memory.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -177,13 +177,16 @@ def _shape_key(x: Any) -> tuple:
 
 def _call_signature(args: Sequence[Any]) -> tuple[list[Any], Any]:
     """All leaves of `args`, and a key that equal calls share: the runtime's session, the tree
-    structure, each array leaf's shape, dtype and weak type, and every other leaf's type and
-    value (static leaves are part of the program). None where a leaf cannot be hashed."""
+    structure, each array leaf's abstract value (shape, dtype, weak type; under explicit
+    sharding also its abstract sharding, which at worst splits one executable's calls over two
+    keys), and every other leaf's type and value (static leaves are part of the program). None
+    where a leaf cannot be hashed. Built on every call: jax arrays' cached avals keep it cheap
+    (6 µs for 109 leaves, against 31 µs reading shape, dtype and weak type one by one)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     signature = []
     for x in leaves:
         if isinstance(x, jax.Array):
-            signature.append((x.shape, x.dtype, getattr(x, "weak_type", False)))
+            signature.append(x.aval)
         elif is_array_like(x):
             signature.append(_shape_key(x))
         else:

@@ -7,8 +7,13 @@ step time and the same compiled step is timed (median of `STEPS` steps after a w
 zoo: the bundled MLP at a small-batch/wide and a large-batch/narrow shape, GPT, MoE and
 Wide-ResNet, and where installed the client models of `tests/clients.py`: transformers' Flax GPT-2
 and Llama (its tiny config), and an equinox transformer (its Module and optimizer state carried
-from step to step; the batch is the last argument of every step).
+from step to step; the batch is the last argument of every step). The batch is placed on the
+device ahead of the timed steps (`preshard_dynamic_args`, what `autopar.prefetch_batches` does in
+a training loop): moving a host batch is the input pipeline's cost, not the step's.
 Reported: predicted, measured, their ratio per model, and Kendall's τ between the two orders.
+On a GPU also the device's share of each step, from a profiler trace (the time its kernels
+and copies keep it busy), against the predicted compute: what is left of the step is the host's
+(Python, JAX's dispatch, XLA's launch), against the predicted launch cost.
 
 Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
 timed to fit α and β, each predicted from the fitted figures against its own measurement.
@@ -22,12 +27,14 @@ Writes benchmarks/results/cost_model.{json,md} (on a GPU: cost_model_gpu.{json,m
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ["AUTOPAR_PLAN_CACHE"] = "off"
@@ -97,9 +104,9 @@ def _built(build):
         return None
 
 
-def _time_steps(step, args) -> float:
+def _time_steps(step, args) -> tuple[float, tuple]:
     """Median seconds of one step, the state (every argument but the last, the batch) carried
-    from step to step as training does."""
+    from step to step as training does; and the arguments of the next step."""
     import jax
 
     times = []
@@ -110,7 +117,48 @@ def _time_steps(step, args) -> float:
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
         args = (*out[: len(args) - 1], args[-1])
-    return statistics.median(times)
+    return statistics.median(times), args
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _device_busy_s(step, args, steps: int = 3) -> float | None:
+    """Seconds per step the device is busy (the union of its kernels and copies in a profiler
+    trace of `steps` waited steps); None where the trace holds no device (a CPU's ops run on
+    host threads)."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python's own events would slow the host down
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
+            for _ in range(steps):
+                out = jax.block_until_ready(step(*args))
+                args = (*out[: len(args) - 1], args[-1])
+        (path,) = pathlib.Path(log_dir).rglob("perfetto_trace.json.gz")
+        data = json.loads(gzip.decompress(path.read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and e["args"]["name"].startswith("/device:")
+    }
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0.0))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in devices
+    ]
+    return _busy_us(spans) * 1e-6 / steps if spans else None
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -132,6 +180,8 @@ class Row:
     measured_s: float
     compute_s: float
     communication_s: float
+    host_s: float
+    device_busy_s: float | None  # measured from a profiler trace (GPU only)
 
     @property
     def ratio(self) -> float:
@@ -139,8 +189,11 @@ class Row:
 
 
 def truth_table(spec) -> list[Row]:
+    import jax
+
     import autopar
 
+    on_cpu = jax.devices()[0].platform == "cpu"
     rows = []
     autopar.init("local", cluster_spec=spec)
     try:
@@ -151,7 +204,8 @@ def truth_table(spec) -> list[Row]:
             step, args = built
             parallel = autopar.parallelize(step, batch_argnums=(len(args) - 1,))
             predicted = parallel.get_plan(*args).predicted
-            measured = _time_steps(parallel, args)
+            args = parallel.preshard_dynamic_args(*args)
+            measured, args = _time_steps(parallel, args)
             rows.append(
                 Row(
                     name,
@@ -159,6 +213,8 @@ def truth_table(spec) -> list[Row]:
                     measured,
                     predicted.compute_s,
                     predicted.communication_s,
+                    predicted.host_s,
+                    None if on_cpu else _device_busy_s(parallel, args),
                 )
             )
             print(
@@ -282,10 +338,39 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         f"Kendall τ between predicted and measured order: **{tau:.3f}**; "
         f"{data['within_25_percent']}/{len(rows)} models within ±25%.",
     ]
+    if any(r.device_busy_s is not None for r in rows):
+        lines += _split_lines(rows)
     if coll is not None:
         lines += _collective_lines(coll)
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS / stem}.md")
+
+
+def _split_lines(rows: list[Row]) -> list[str]:
+    """Each step split into the device's share (busy in the profiler trace) and the host's (the
+    rest), each against its prediction."""
+    lines = [
+        "",
+        "## Device and host shares of each step",
+        "",
+        "Device: the time the GPU is busy per step in a profiler trace (kernels and copies), "
+        "against the predicted compute and communication. Host: the measured step less that, "
+        "against the predicted launch cost (`launch_overhead_s` + `buffer_overhead_s` per input "
+        "and output buffer).",
+        "",
+        "| model | device predicted | device busy | ratio "
+        "| host predicted | host measured | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        device = r.compute_s + r.communication_s
+        host = r.measured_s - r.device_busy_s
+        lines.append(
+            f"| {r.model} | {device * 1e3:.3f} ms | {r.device_busy_s * 1e3:.3f} ms "
+            f"| {device / r.device_busy_s:.2f} | {r.host_s * 1e3:.3f} ms | {host * 1e3:.3f} ms "
+            f"| {r.host_s / host:.2f} |"
+        )
+    return lines
 
 
 def _collective_lines(coll: dict) -> list[str]:

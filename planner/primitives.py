@@ -60,11 +60,12 @@ class PrimitiveInfo:
     kernel: bool = True
 
 
-# One operation per element; they take their operands' sharding and fuse.
+# One operation per element; they take their operands' sharding and fuse. (`one_minus_square`,
+# tanh's derivative 1 - x², is jax 0.11's.)
 _ARITHMETIC = """
 neg sign floor ceil round is_finite abs not and or xor population_count clz add add_any sub mul
 max min integer_pow nextafter shift_left shift_right_arithmetic shift_right_logical eq ne lt le
-gt ge select_n clamp real imag conj complex reduce_precision square mulhi
+gt ge select_n clamp real imag conj complex reduce_precision square one_minus_square mulhi
 """
 # XLA's transcendental class (what `HloCostAnalysis` counts as transcendentals, not FLOPs).
 _TRANSCENDENTAL = """
