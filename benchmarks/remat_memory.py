@@ -47,22 +47,25 @@ def _method(budget: float) -> autopar.ShardParallel:
     return autopar.ShardParallel(auto_sharding_option=option)
 
 
-def _update_errors(step, state, batch, reference) -> tuple[float, float]:
-    """How far what `STEPS` steps of `step` move the parameters is from what `reference`
-    moves them: relative to the whole update's norm, and the worst leaf's own."""
+def _moved(step, state, batch) -> list[np.ndarray]:
+    """What `STEPS` steps of `step` move each parameter (float64)."""
     moved = state
     for _ in range(STEPS):
         moved, _ = step(moved, batch)
-    got = [
-        np.asarray(a, np.float64) - b
-        for a, b in zip(jax.tree.leaves(moved.params), reference[0], strict=True)
+    return [
+        np.asarray(after, np.float64) - np.asarray(before, np.float64)
+        for after, before in zip(
+            jax.tree.leaves(moved.params), jax.tree.leaves(state.params), strict=True
+        )
     ]
-    want = reference[1]
-    total = np.sqrt(sum(np.sum((g - w) ** 2) for g, w in zip(got, want, strict=True)))
+
+
+def _errors(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[float, float]:
+    """`got` against `want`: relative to the whole update's norm, and the worst leaf's own."""
+    pairs = list(zip(got, want, strict=True))
+    total = np.sqrt(sum(np.sum((g - w) ** 2) for g, w in pairs))
     scale = np.sqrt(sum(np.sum(w**2) for w in want))
-    worst = max(
-        np.linalg.norm(g - w) / np.linalg.norm(w) for g, w in zip(got, want, strict=True) if w.any()
-    )
+    worst = max(np.linalg.norm(g - w) / np.linalg.norm(w) for g, w in pairs if w.any())
     return float(total / scale), float(worst)
 
 
@@ -84,16 +87,9 @@ def main() -> None:
     step = autopar.parallelize(train_step, method=_method(budget))
     plan = step.get_plan(state, batch)
     stats = step.get_executable(state, batch).memory_stats()
-    serial, start = state, [np.asarray(p, np.float64) for p in jax.tree.leaves(state.params)]
-    for _ in range(STEPS):
-        serial, _ = jax.jit(gpt.train_step)(serial, batch)
-    moved = [
-        np.asarray(p, np.float64) - s
-        for p, s in zip(jax.tree.leaves(serial.params), start, strict=True)
-    ]
-    reference = (start, moved)
-    error, worst_leaf = _update_errors(step, state, batch, reference)
-    control, control_worst = _update_errors(roomy, state, batch, reference)
+    reference = _moved(jax.jit(gpt.train_step), state, batch)
+    error, worst_leaf = _errors(_moved(step, state, batch), reference)
+    control, control_worst = _errors(_moved(roomy, state, batch), reference)
     autopar.shutdown()
     result = {
         "device": f"one {device.device_kind} ({device.platform})",
