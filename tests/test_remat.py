@@ -4,13 +4,15 @@ memory-cut loop ends."""
 
 import dataclasses
 import types
+from unittest.mock import Mock
 
 import jax
 import pytest
 from conftest import relative_error
 
 import autopar
-from autopar.models import GPTConfig, abstract_train_inputs, gpt
+from autopar import methods
+from autopar.models import GPTConfig, MLPConfig, abstract_train_inputs, gpt, mlp
 from autopar.planner import ilp as ilp_module
 from autopar.planner.intra import ShardingProblem
 from autopar.tracing import trace_step
@@ -112,6 +114,35 @@ def test_pipeline_recomputes_layers_where_no_stage_plan_fits_and_matches_serial(
     assert any("recomputed" in note for note in plan.notes)
     assert plan.predicted.memory_per_device_bytes <= PIPELINE_TIGHT
     assert _error_after_two_steps(step, state, batch) <= 1e-5
+
+
+WIDE_BATCH_MLP = MLPConfig(in_dim=64, hidden=64, out_dim=64, num_layers=4)  # activations dominate
+
+
+def _searched_stages(budget: float, remat_mode: str = "auto") -> autopar.PipeshardParallel:
+    return dataclasses.replace(
+        _pipeline(budget, remat_mode), num_micro_batches=4, stage_option=autopar.AutoStageOption()
+    )
+
+
+def test_stage_search_recomputes_only_where_nothing_fits_at_the_fastest(gpu_costs, monkeypatch):
+    """With the stage search, a step that fits with its stages at their fastest layer plans is
+    never traced again to recompute; where nothing does, the plan recomputing each layer is
+    the one `remat_mode="coarse_grained"` gives, its step time bounding the search without
+    recomputation (`LayerCosts.known_step`), and a note says why."""
+    step, state, batch = abstract_train_inputs(mlp, WIDE_BATCH_MLP, 8192)
+    monkeypatch.setattr(methods._RecomputedPlan, "step_time", Mock(side_effect=AssertionError))
+    roomy = autopar.plan(step, state, batch, method=_searched_stages(2**40))
+    assert roomy.tracing.layer_option["remat_mode"] == "auto"
+    monkeypatch.undo()
+    tight = 0.9 * roomy.predicted.memory_per_device_bytes
+    plan = autopar.plan(step, state, batch, method=_searched_stages(tight))
+    recomputed = autopar.plan(step, state, batch, method=_searched_stages(tight, "coarse_grained"))
+    assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
+    assert plan.predicted == recomputed.predicted
+    assert "no stage plan fits without recomputation" in plan.notes[-1]
+    with pytest.raises(autopar.MemoryBudgetError):
+        autopar.plan(step, state, batch, method=_searched_stages(tight, "none"))
 
 
 def test_pipeline_memory_floor_answers_before_any_ilp(gpu_costs, monkeypatch):
