@@ -114,6 +114,7 @@ class IntraOpIlp:
         solver: str = DEFAULT_SOLVER,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
         relative_gap: float | None = None,
+        presolve: bool = True,
     ) -> None:
         self.num_choices = list(num_choices)
         self.costs = costs
@@ -122,6 +123,7 @@ class IntraOpIlp:
         self.solver = solver
         self.time_limit_s = time_limit_s
         self.relative_gap = relative_gap  # stop within this fraction of optimal (None: solver's)
+        self.presolve = presolve  # HiGHS's presolve (`_solve_highs`)
         self._time: tuple[pulp.LpProblem, list] | None = None  # the time model and its cuts
         self._cuts: dict[int, pulp.LpConstraint] = {}
         self._budget = np.inf
@@ -213,13 +215,10 @@ class IntraOpIlp:
     # ------------------------------------------------------------------ solving
 
     def _solve_highs(self, prob: pulp.LpProblem, time_limit_s: float) -> None:
-        """Solve with HiGHS on one thread, seed 0 (module docstring), without presolve: on
-        layer ILPs that stop at their time limit under memory cuts, presolve took much of the
-        time and left a first plan up to 30x slower than the one found without it (GPT-15B
-        layers on 16 devices), while over the 133 ILPs of five suite cases it never found a
-        plan more than 1% better. In a thread whose HiGHS scheduler other code started with
-        more threads, HiGHS refuses one thread: there it solves with that scheduler, and the
-        plan may differ from other machines' (warned once per thread)."""
+        """Solve with HiGHS on one thread, seed 0 (module docstring), with its presolve unless
+        `presolve` is off. In a thread whose HiGHS scheduler other code started with more
+        threads, HiGHS refuses one thread: there it solves with that scheduler, and the plan may
+        differ from other machines' (warned once per thread)."""
         from highspy import HighsModelStatus
 
         options = dict(
@@ -227,7 +226,7 @@ class IntraOpIlp:
             timeLimit=time_limit_s,
             gapRel=self.relative_gap,
             random_seed=0,
-            presolve="off",
+            presolve="choose" if self.presolve else "off",
         )
         if not getattr(_HIGHS_STATE, "refuses_one_thread", False):
             prob.solve(pulp.HiGHS(threads=1, **options))

@@ -106,6 +106,7 @@ class IntraOpConfig:
     pinned_inputs: tuple[tuple[str, Spec], ...] = ()  # (input path, storage spec) fixed
     force_batch_dim_to_mesh_dim: int | None = None
     relative_gap: float | None = None  # accept plans this close to optimal (None: the solver's)
+    presolve: bool = True  # HiGHS's presolve (`ilp.IntraOpIlp`)
     # With micro-batches: reduce gradients once per step (all-reduces always; reduce-scatters
     # where the budget has room for their whole accumulators, largest first), not per micro-batch.
     reduce_gradients_once: bool = True
@@ -491,6 +492,7 @@ class ShardingProblem:
             solver=config.solver,
             time_limit_s=config.time_limit_s,
             relative_gap=config.relative_gap,
+            presolve=config.presolve,
         )
         self._least: tuple[np.ndarray, StagePlan, Predicted] | None = None
         self.build_seconds = time.perf_counter() - start

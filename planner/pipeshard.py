@@ -87,6 +87,12 @@ CANDIDATE_GAP = 0.01
 # ...and within this share of the ILP's time limit: a candidate is an estimate for the DP, and
 # a squeezed layer's memory-bound MIP can spend the whole limit closing the last percent.
 CANDIDATE_TIME_SHARE = 0.25
+# ...without HiGHS's presolve: on candidates that stop at that limit under memory cuts, presolve
+# took much of it and left first plans up to 30x slower than without (GPT-15B layers on 16
+# devices); over 63 candidate ILPs of GPT-6.7B and -15B it never found a plan 1% better. (Plans
+# solved as emitted keep it: GPT-1.3B's ShardParallel ILP is optimal in 5.6 s with it, and hits
+# its 10 s limit without.)
+CANDIDATE_PRESOLVE = False
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -373,6 +379,7 @@ class LayerCosts:
                 intra,
                 relative_gap=CANDIDATE_GAP,
                 time_limit_s=CANDIDATE_TIME_SHARE * intra.time_limit_s,
+                presolve=CANDIDATE_PRESOLVE,
             )
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
             self._plans[key] = _LayerPlans(stage, mesh, build, floor, [], self.device_memory)
