@@ -332,32 +332,23 @@ class PipeshardParallel(ParallelMethod):
     def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
         """Stages by the stage search (or as the stage option fixes them), each planned by the
         ILP; in profiling mode candidate stages are timed on the devices. Under
-        `AutoLayerOption(remat_mode="auto")` on a GPU cluster, where no stage plan fits with
-        every stage at its fastest, the step is also planned with each layer recomputed, and
-        the faster of the two plans that fit is used: the recomputed plan's step time bounds
-        which stages the search squeezes into memory without recomputation."""
-        option = self.layer_option
-        if (
-            not isinstance(option, AutoLayerOption)
-            or option.remat_mode != "auto"
-            or not recomputes_on(request.cluster)
-            or self.profiles
-        ):
-            return request.traced, self._plan_traced(request.traced, request)
-        recomputed = _RecomputedPlan(self, request, option)
+        `AutoLayerOption(remat_mode="auto")` on a GPU cluster, where no stage plan fits, the
+        step is traced again with each layer recomputed and planned again."""
         try:
-            plan = self._plan_traced(request.traced, request, recomputed.step_to_beat)
+            return request.traced, self._plan_traced(request.traced, request)
         except MemoryBudgetError as without:
+            option = self.layer_option
+            auto = isinstance(option, AutoLayerOption) and option.remat_mode == "auto"
+            if not auto or not recomputes_on(request.cluster) or self.profiles:
+                raise
+            recomputed = dataclasses.replace(option, remat_mode="coarse_grained")
             logger.info(
                 "no stage plan fits without recomputation (%s); recomputing layers", without
             )
-            plan = None
-        if plan is not None:
-            asked = recomputed.traced is not None  # only where nothing fit at its fastest
-            if not asked or recomputed.step_time() >= plan.predicted.step_time_s:
-                return request.traced, plan
-        if math.isinf(recomputed.step_time()):
-            e = recomputed.error
+        traced = request.remat_trace(recomputed)
+        try:
+            plan = self._plan_traced(traced, request)
+        except MemoryBudgetError as e:
             least = (
                 f"; of the stage plans it priced, the one that needs least needs "
                 f"{format_bytes(e.least)} per device"
@@ -373,27 +364,15 @@ class PipeshardParallel(ParallelMethod):
                 e.budget,
                 e.least,
             ) from None
-        if plan is None:
-            note = "no stage plan fits without recomputation: each layer recomputed in the "
-            note += "backward pass"
-        else:
-            note = (
-                "each layer recomputed in the backward pass: predicted faster than the best "
-                f"plan that fits without ({plan.predicted.step_time_s:.4g} s)"
-            )
-        plan = dataclasses.replace(
-            recomputed.plan,
-            tracing=tracing_record(False, recomputed.option),
-            notes=(*recomputed.plan.notes, note),
+        note = (
+            "no stage plan fits without recomputation: each layer recomputed in the backward pass"
         )
-        return recomputed.traced, plan
+        plan = dataclasses.replace(
+            plan, tracing=tracing_record(False, recomputed), notes=(*plan.notes, note)
+        )
+        return traced, plan
 
-    def _plan_traced(
-        self,
-        traced: TracedStep,
-        request: PlanRequest,
-        known_step: Callable[[], float] | None = None,
-    ) -> Plan:
+    def _plan_traced(self, traced: TracedStep, request: PlanRequest) -> Plan:
         from autopar.runtime.profile import StageProfiler
 
         mesh, cluster = request.mesh, request.cluster
@@ -406,9 +385,7 @@ class PipeshardParallel(ParallelMethod):
         )
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         if not self.profiles:
-            return plan_pipeshard(
-                parts, traced.program, cluster, mesh.shape, config, known_step=known_step
-            )
+            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
         if request.stage_timer is None:
             raise InvalidArgumentError(
                 "AutoStageOption(profile=True) times stages on the devices, but this plan is "
@@ -422,39 +399,6 @@ class PipeshardParallel(ParallelMethod):
             finally:
                 profiler.close()
         return plan
-
-
-class _RecomputedPlan:
-    """A pipeline's step planned with each layer recomputed, on first use: its step time is
-    what a plan without recomputation must beat (`LayerCosts.known_step`)."""
-
-    def __init__(
-        self, method: PipeshardParallel, request: PlanRequest, option: AutoLayerOption
-    ) -> None:
-        self.method, self.request = method, request
-        self.option = dataclasses.replace(option, remat_mode="coarse_grained")
-        self.traced: TracedStep | None = None
-        self.plan: Plan | None = None
-        self.error: MemoryBudgetError | None = None
-
-    def step_time(self) -> float:
-        """The recomputed plan's predicted step time (inf where none fits)."""
-        if self.traced is None:
-            self.traced = self.request.remat_trace(self.option)
-            try:
-                self.plan = self.method._plan_traced(self.traced, self.request)
-            except MemoryBudgetError as e:
-                self.error = e
-        return self.plan.predicted.step_time_s if self.plan else math.inf
-
-    def step_to_beat(self) -> float:
-        """The step time a plan without recomputation must beat; where no recomputed plan
-        fits, its MemoryBudgetError: a recomputed stage holds no more activations than the
-        stage as it is (its layers' inputs, and one layer's activations at a time), so
-        squeezing the step as it is would not fit either."""
-        if math.isinf(self.step_time()):
-            raise self.error
-        return self.step_time()
 
 
 @dataclasses.dataclass(frozen=True)

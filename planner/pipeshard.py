@@ -244,10 +244,7 @@ class LayerCosts:
     past one that fits, the DP would never pick them, since it takes the fastest alternative
     that fits. Nor where B micro-batches at the last one's latency already take `step_bound_s`
     (the step time of a plan found without it): a pipeline runs no faster than B times its
-    slowest stage, and squeezed plans are slower still. Where no plan fits with every stage at
-    its fastest, that bound is `known_step()`, if given: the step time of a plan found another
-    way (the step with its layers recomputed, `PipeshardParallel.plan_step`), or a
-    PlanningError that ends the search.
+    slowest stage, and squeezed plans are slower still.
     """
 
     def __init__(
@@ -257,11 +254,9 @@ class LayerCosts:
         cluster: ClusterSpec,
         config: PipelineConfig,
         num_devices: int,
-        known_step: Callable[[], float] | None = None,
     ) -> None:
         self.parts, self.program, self.cluster, self.config = parts, program, cluster, config
         self.num_devices = num_devices
-        self.known_step = known_step
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
@@ -502,8 +497,6 @@ def _solve(
         ]
         cost_fn.prefetch(logical for _, logical in meshes)
         cost_fn.step_bound_s = _best_step(args, option, schedule, cost_fn.fastest)
-        if math.isinf(cost_fn.step_bound_s) and cost_fn.known_step is not None:
-            cost_fn.step_bound_s = cost_fn.known_step()
         stages = [
             (start, end, submesh, logical)
             for start in range(num_layers)
@@ -626,20 +619,16 @@ def plan_pipeshard(
     cluster_shape: tuple[int, int],
     config: PipelineConfig,
     costs: CostFn | None = None,
-    known_step: Callable[[], float] | None = None,
 ) -> Plan:
     """The pipeshard plan of a layered step on a (hosts, devices per host) cluster.
 
-    `costs` is the stage DP's cost_fn: by default a new `LayerCosts` (cost-model mode, given
-    `known_step`); pass one to reuse (and keep) its cached layer plans, or a
-    `runtime.profile.StageProfiler` to measure candidates on devices. Either counts its ILP
-    solves in `ilp_solves`."""
+    `costs` is the stage DP's cost_fn: by default a new `LayerCosts` (cost-model mode); pass one
+    to reuse (and keep) its cached layer plans, or a `runtime.profile.StageProfiler` to measure
+    candidates on devices. Either counts its ILP solves in `ilp_solves`."""
     start_time = time.perf_counter()
     memory = config.intra.budget(cluster)
     _check_memory_floor(parts, program, cluster_shape, memory)
-    costs = costs or LayerCosts(
-        parts, program, cluster, config, math.prod(cluster_shape), known_step
-    )
+    costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
     schedule, solution = _fastest_schedule(
         parts.num_layers, cluster_shape, costs, memory, config, cluster.launch_overhead_s
     )

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import logging
 import math
-from unittest.mock import Mock
 
 import jax
 import jax.numpy as jnp
@@ -385,44 +384,6 @@ def test_stages_slower_than_a_plan_at_the_fastest_layer_plans_are_not_squeezed()
     cluster = autopar.ClusterSpec.local(8)
     pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
     _same_plan_fewer_solves(traced, parts, pipeline, cluster, (1, 8), _UnboundedLayerCosts)
-
-
-def test_where_nothing_fits_at_the_fastest_a_known_step_bounds_the_squeezes():
-    """Where no plan fits with every stage at its fastest layer plans, `known_step` (the step
-    time of a plan found another way: recomputing layers) is asked once and bounds which
-    stages are squeezed: the same plan where the bound is that plan's step, no squeezed layer
-    plan where it is below any plan's, and its error ends the search. Where a plan fits at the
-    fastest, it is never asked."""
-    traced, parts, pipeline = _auto_stage_parts()
-    cluster = autopar.ClusterSpec.local(8)
-    pipeline = _tight(traced, parts, pipeline, cluster, 1.2)
-
-    def costs(known_step, config=pipeline):
-        return LayerCosts(parts, traced.program, cluster, config, 8, known_step)
-
-    def plan(layer_costs, config=pipeline):
-        found = plan_pipeshard(parts, traced.program, cluster, (1, 8), config, layer_costs)
-        return dataclasses.replace(found, notes=())
-
-    unbounded = costs(Mock(return_value=math.inf))
-    expected = plan(unbounded)
-    unbounded.known_step.assert_called_once()
-    bounded = costs(Mock(return_value=expected.predicted.step_time_s * (1 + 1e-9)))
-    assert plan(bounded) == expected
-    bounded.known_step.assert_called_once()
-    assert bounded.ilp_solves <= unbounded.ilp_solves
-
-    below_any = costs(Mock(return_value=0.0))
-    with pytest.raises(autopar.MemoryBudgetError):
-        plan(below_any)
-    assert all(len(plans.found) <= 1 for plans in below_any._plans.values())
-    assert below_any.ilp_solves < bounded.ilp_solves
-    error = autopar.MemoryBudgetError("recomputed: nothing fits", 1.0, 2.0)
-    with pytest.raises(autopar.MemoryBudgetError, match="recomputed: nothing fits"):
-        plan(costs(Mock(side_effect=error)))
-
-    roomy = _tight(traced, parts, pipeline, cluster, 1.6)
-    plan(costs(Mock(side_effect=AssertionError("asked")), roomy), roomy)
 
 
 class _AllLevelsLayerCosts(LayerCosts):
