@@ -300,6 +300,22 @@ def test_prefetched_layer_plans_equal_sequential_ones():
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
 
 
+def test_candidate_layer_ilps_run_without_presolve():
+    """The stage search's candidate layer ILPs stop at a quarter of the time limit by design,
+    and HiGHS solves them without its presolve (`CANDIDATE_PRESOLVE`); a plan solved as emitted
+    keeps it."""
+    traced, parts, pipeline = _auto_stage_parts()
+    costs = LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8)
+    assert costs.layer_costs(1, (1, 2), 1)
+    candidate = costs._layer_plans(1, (1, 2)).problem.ilp
+    emitted = _layer_problem((1, 2))
+    assert emitted.solve(2**40) is not None
+    presolve = [
+        ilp._time[0].solverModel.getOptionValue("presolve") for ilp in (candidate, emitted.ilp)
+    ]
+    assert [value for _, value in presolve] == ["off", "choose"]
+
+
 def _tight(traced, parts, pipeline, cluster, factor: float) -> PipelineConfig:
     """`pipeline` with a budget of `factor` times layer 1's fastest plan on 2 devices: tight
     enough that stages need squeezed alternatives."""
