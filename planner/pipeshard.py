@@ -88,7 +88,7 @@ CANDIDATE_GAP = 0.01
 # a squeezed layer's memory-bound MIP can spend the whole limit closing the last percent.
 CANDIDATE_TIME_SHARE = 0.25
 # ...without HiGHS's presolve: on candidates that stop at that limit under memory cuts, presolve
-# took much of it and left first plans up to 30x slower than without (GPT-15B layers on 16
+# took much of it and left first plans up to 28x slower than without (GPT-15B layers on 16
 # devices); over 63 candidate ILPs of GPT-6.7B and -15B it never found a plan 1% better. (Plans
 # solved as emitted keep it: GPT-1.3B's ShardParallel ILP is optimal in 5.6 s with it, and hits
 # its 10 s limit without.)
