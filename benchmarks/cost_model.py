@@ -311,7 +311,8 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         f"| memory bandwidth | {spec.memory_bandwidth / 1e9:.2f} GB/s |",
         f"| kernel floor | {spec.kernel_overhead_s * 1e6:.2f} µs |",
         f"| host: launching a program and waiting for it | {spec.launch_overhead_s * 1e6:.1f} µs "
-        f"+ {spec.buffer_overhead_s * 1e6:.2f} µs per input or output buffer |",
+        f"+ {spec.buffer_overhead_s * 1e6:.2f} µs per input or output buffer "
+        f"+ {spec.kernel_update_s * 1e6:.2f} µs per kernel (graph update: the buffers moved) |",
         f"| transcendentals (exp) | {spec.transcendental_rate / 1e9:.2f} Gelement/s |",
         f"| convolution (3x3, 64 channels) | {spec.conv_flops / 1e9:.1f} GFLOP/s |",
         f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
@@ -356,7 +357,7 @@ def _split_lines(rows: list[Row]) -> list[str]:
         "Device: the time the GPU is busy per step in a profiler trace (kernels and copies), "
         "against the predicted compute and communication. Host: the measured step less that, "
         "against the predicted launch cost (`launch_overhead_s` + `buffer_overhead_s` per input "
-        "and output buffer).",
+        "and output buffer + `kernel_update_s` per kernel the roofline counts).",
         "",
         "| model | device predicted | device busy | ratio "
         "| host predicted | host measured | ratio |",

@@ -22,7 +22,10 @@ A step starts on the host: the runtime launches its program and collects its res
 devices do not see. `launch_overhead_s` is that cost for one program and `buffer_overhead_s` what
 each input and output buffer adds to it (`autopar.planner.roofline.launch_s`): a step that waits
 for its results pays them on top of its device time (the host is idle meanwhile), and a pipeline
-pays them per task. Small models on GPUs spend much of their step there.
+pays them per task. Small models on GPUs spend much of their step there. `kernel_update_s` is what
+each kernel adds to a launch whose buffers moved since the last one: XLA:GPU runs a program as
+one CUDA graph and updates its kernels' arguments before launching it again, and a train step's
+outputs are fresh buffers every step. A CPU has no graph: 0 there.
 
 A step also writes its temporaries, and on a CPU that costs more than bandwidth where the
 allocator hands them out afresh every step: glibc maps an allocation of `fresh_memory_threshold`
@@ -62,7 +65,7 @@ _POSITIVE_FIELDS = (
 )
 _NON_NEGATIVE_FIELDS = (
     *("intra_host_latency", "inter_host_latency", "kernel_overhead_s"),
-    *("launch_overhead_s", "buffer_overhead_s"),
+    *("launch_overhead_s", "buffer_overhead_s", "kernel_update_s"),
 )
 _OPTIONAL_POSITIVE_FIELDS = (
     "memory_bandwidth",
@@ -114,6 +117,7 @@ class ClusterSpec:
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
+    kernel_update_s: float = 0.0  # host time each kernel adds to a launch whose buffers moved
     all_to_all_factor: float = 1.0  # all-to-all time over its α-β formula's bytes term
 
     def __post_init__(self) -> None:
@@ -287,7 +291,9 @@ _NETWORK_ALPHA = 8.4e-6 + 14e-6  # 22.4 µs
 # The host's share of a step (JAX's dispatch of a program and its buffers) as `profile_cluster`
 # measured it on a lent H100 machine (16 vCPUs of a virtualised Xeon, jax 0.11, 2026-11-25;
 # benchmarks/results/cost_model_gpu.json): 50 µs to launch a program and wait for it, 1.9 µs
-# per input or output buffer.
+# per input or output buffer; and on a lent H200 (jax 0.11.2, 2026-11-26) what each kernel adds
+# where the buffers moved (`KernelTiming.update_per_kernel_s`): 1.55, 1.17 and 0.81 µs in three
+# measurements; the median.
 _GPU_COMPUTE_EFFICIENCY = 0.75
 _GPU_MEMORY_EFFICIENCY = 0.9
 _GPU_KERNEL_OVERHEAD_S = 4e-6
@@ -297,6 +303,7 @@ _GPU_EFFICIENCIES = {
     "kernel_overhead_s": _GPU_KERNEL_OVERHEAD_S,
     "launch_overhead_s": 50e-6,
     "buffer_overhead_s": 1.9e-6,
+    "kernel_update_s": 1.17e-6,
 }
 
 _PRESETS: dict[str, ClusterSpec] = {

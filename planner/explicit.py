@@ -582,9 +582,11 @@ def predict(
         comm += runs * lmesh.all_reduce_cost(nbytes, axes)
     cpu = cluster.platform == "cpu"
     memory, stored = _memory(program, step, stage_plan, stage, lmesh, cpu, k)
-    flops, compute = _compute(program, step, cluster, stage, mesh.num_devices, k)
+    roofline = Roofline(step.grouping, step.live.fused, cluster)
+    flops, compute = _compute(step, roofline, stage, mesh.num_devices, k)
     compute += fresh_memory_s(memory - stored, cluster)
-    host = launch_s(program.signature.num_buffers, cluster)
+    kernels = roofline.num_kernels(step.grouping.planned_nodes())
+    host = launch_s(program.signature.num_buffers, kernels, cluster)
     return Predicted(
         step_time_s=compute + comm + host,
         compute_s=compute,
@@ -597,14 +599,13 @@ def predict(
 
 
 def _compute(
-    program: Program, step: _Step, cluster: ClusterSpec, stage: ZeroStage, n: int, k: int
+    step: _Step, roofline: Roofline, stage: ZeroStage, n: int, k: int
 ) -> tuple[float, float]:
     """(FLOPs of the step over all devices, seconds per device): each op's roofline, run k times
     in the gradient part. An op touching the batch runs on 1/n of it; the update runs on 1/n of
     the state where ZeRO splits it, on all of it under data parallelism; parameters are read
     whole (ZeRO-3 gathers them before use)."""
     grouping, batch = step.grouping, step.batch
-    roofline = Roofline(grouping, step.live.fused, cluster)
     flops = seconds = 0.0
     for node in grouping.planned_nodes():
         per_micro_batch = node.id in step.per_micro_batch

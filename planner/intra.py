@@ -937,7 +937,9 @@ def _emit(
     cluster = builder.roofline.cluster
     compute += fresh_memory_s(peak - inputs, cluster)
     step_time = compute + blocking + OVERLAP_PENALTY * overlap + max(0.0, overlap - compute)
-    host = launch_s(sig.num_buffers, cluster)
+    host = launch_s(
+        sig.num_buffers, builder.roofline.num_kernels(grouping.planned_nodes()), cluster
+    )
     predicted = Predicted(
         step_time_s=step_time + host,
         compute_s=compute,

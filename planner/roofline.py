@@ -29,7 +29,7 @@ ILP's menus from a strategy's specs, the data-parallel methods from the batch di
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.graph import OpNode, ValueKind
@@ -56,11 +56,16 @@ def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec
     return max(compute, nbytes / (cluster.memory_bandwidth * cluster.memory_efficiency))
 
 
-def launch_s(num_buffers: int, cluster: ClusterSpec) -> float:
+def launch_s(num_buffers: int, num_kernels: int, cluster: ClusterSpec) -> float:
     """Host seconds to launch one program with `num_buffers` input and output buffers and
-    collect its results (JAX's dispatch), which a step that waits for its results adds to its
-    device time."""
-    return cluster.launch_overhead_s + num_buffers * cluster.buffer_overhead_s
+    `num_kernels` kernels and collect its results (JAX's dispatch, and on a GPU the update of
+    the program's graph: a step's outputs move every step), which a step that waits for its
+    results adds to its device time."""
+    return (
+        cluster.launch_overhead_s
+        + num_buffers * cluster.buffer_overhead_s
+        + num_kernels * cluster.kernel_update_s
+    )
 
 
 def fresh_memory_s(temp_bytes: float, cluster: ClusterSpec) -> float:
@@ -126,6 +131,11 @@ class Roofline:
                 found = (reads, writes, any(writes))
             self._traffic[node.id] = found
         return found
+
+    def num_kernels(self, nodes: Iterable[OpNode]) -> int:
+        """How many of `nodes` launch a kernel of their own (the rest fuse into their readers
+        or launch nothing): the kernels of a program made of them."""
+        return sum(self.traffic(node)[2] for node in nodes)
 
     def seconds(
         self,

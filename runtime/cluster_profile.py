@@ -8,6 +8,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
 - `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
 - `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
+- `kernel_update_s`: what each kernel adds to a launch whose buffers moved since the last one
+  (a chain of tiny kernels whose buffer is not donated against the same chain donated;
+  `KernelTiming.update_per_kernel_s`);
 - `launch_overhead_s`, `buffer_overhead_s`: Python's dispatch, the host's cost to launch a
   program and wait for it, and what each input or output buffer adds (`microbench.measure_launch`);
 - `transcendental_rate`, `conv_flops`, `transpose_bandwidth`: the rates of the op classes the
@@ -174,7 +177,8 @@ class ClusterProfile:
             f"  memory (per device): {_si(s.memory_bandwidth)}B/s streaming, "
             f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
             f"  host: {s.launch_overhead_s * 1e6:.1f} us to launch a program, "
-            f"{s.buffer_overhead_s * 1e6:.2f} us per input or output buffer",
+            f"{s.buffer_overhead_s * 1e6:.2f} us per input or output buffer, "
+            f"{s.kernel_update_s * 1e6:.2f} us per kernel where the buffers moved",
             f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
             f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
@@ -333,6 +337,7 @@ def build_spec(
         kernel_overhead_s=kernel.per_kernel_s,
         launch_overhead_s=launch.launch_s,
         buffer_overhead_s=launch.per_buffer_s,
+        kernel_update_s=kernel.update_per_kernel_s,
         all_to_all_factor=fit_all_to_all(collectives, links),
         **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
         **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free

@@ -145,16 +145,29 @@ class StreamTiming:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KernelTiming:
-    """A program of `num_kernels` tiny dependent matmuls against one of a single one."""
+    """A program of `num_kernels` tiny dependent matmuls against one of a single one, each
+    timed with its buffer donated (it stays in place from launch to launch) and not donated (the
+    output is a fresh buffer that the next launch reads: the buffers move, as a train step's
+    outputs do)."""
 
     num_kernels: int
     seconds_one: float
     seconds_many: float
+    seconds_one_moved: float
+    seconds_many_moved: float
 
     @property
     def per_kernel_s(self) -> float:
         """(t_N − t_1) / (N − 1), at least 0: one kernel's floor without the dispatch."""
         return max(0.0, (self.seconds_many - self.seconds_one) / (self.num_kernels - 1))
+
+    @property
+    def update_per_kernel_s(self) -> float:
+        """What each kernel adds to a launch whose buffers moved since the last one, beyond
+        what the moved buffers cost themselves, at least 0. XLA:GPU runs a program as one CUDA
+        graph and updates its kernels' arguments before launching it again; a CPU has no graph."""
+        moved = self.seconds_many_moved - self.seconds_one_moved
+        return max(0.0, (moved - (self.seconds_many - self.seconds_one)) / (self.num_kernels - 1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,8 +240,10 @@ class CollectiveTiming:
 # ----------------------------------------------------------------------------- timing
 
 
-def _compiled(fun: Callable, x: jax.Array, consts: Sequence[jax.Array]) -> Any:
-    return jax.jit(fun, donate_argnums=0).lower(x, *consts).compile()
+def _compiled(
+    fun: Callable, x: jax.Array, consts: Sequence[jax.Array], donated: bool = True
+) -> Any:
+    return jax.jit(fun, donate_argnums=0 if donated else ()).lower(x, *consts).compile()
 
 
 def _timed_calls(
@@ -416,22 +431,26 @@ def measure_fresh_memory(
     a, b = _filled(mesh, (d,), jnp.float32, 1.0), _filled(mesh, (d,), jnp.float32, 0.0)
     step = _per_device(mesh, 3)(lambda x, a, b: x * a + b)
     in_place, x = _timed_calls(_compiled(step, x, (a, b)), x, (a, b), 1, sizes.repeats)
-    fresh = jax.jit(step).lower(x, a, b).compile()  # no donation: a new output every call
+    fresh = _compiled(step, x, (a, b), donated=False)  # a new output every call
     seconds, _ = _timed_calls(fresh, x, (a, b), 1, sizes.repeats)
     extra = seconds - in_place
     return RateTiming(RateKind.FRESH_MEMORY, 4 * elements, extra if extra > 0.1 * in_place else 0)
 
 
 def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:
-    """`sizes.kernel_ops` tiny dependent matmuls in one program against a single one."""
+    """`sizes.kernel_ops` tiny dependent matmuls in one program against a single one, with the
+    buffer donated and not (`KernelTiming`); each the least of `4 * sizes.repeats` waited calls."""
     mesh, d = _local_mesh(devices), len(devices)
     x = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 0.5)
     w = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 1.0 / _TINY)
     wrap = _per_device(mesh, 2)
-    one, x = _timed_calls(_compiled(wrap(jnp.matmul), x, (w,)), x, (w,), 1, sizes.repeats)
-    chained = _compiled(wrap(_chained(jnp.matmul, sizes.kernel_ops)), x, (w,))
-    many, _ = _timed_calls(chained, x, (w,), 1, sizes.repeats)
-    return KernelTiming(sizes.kernel_ops, one, many)
+    seconds = []
+    for donated in (True, False):
+        for ops in (1, sizes.kernel_ops):
+            compiled = _compiled(wrap(_chained(jnp.matmul, ops)), x, (w,), donated=donated)
+            least, x = _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+            seconds.append(least)
+    return KernelTiming(sizes.kernel_ops, *seconds)
 
 
 def measure_launch(devices: Sequence[jax.Device], sizes: ProfileSizes) -> LaunchTiming:

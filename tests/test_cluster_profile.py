@@ -20,6 +20,7 @@ from autopar.runtime import cluster_profile
 from autopar.runtime.cluster_profile import (
     ClusterProfile,
     CollectiveTiming,
+    KernelTiming,
     LaunchTiming,
     MatmulKind,
     ProfileSizes,
@@ -122,6 +123,20 @@ def test_the_launch_timing_splits_into_a_launch_and_a_cost_per_buffer(one):
     assert made_up.launch_s == pytest.approx(46e-6)
     assert LaunchTiming(11, 50e-6, 40e-6).per_buffer_s == 0.0  # noise: never negative
     assert "to launch a program" in one.summary()
+
+
+def test_the_kernel_timing_splits_off_what_moved_buffers_add_per_kernel(one):
+    """The chain of tiny kernels, donated and not: the floor per kernel where the buffer stays,
+    and what each kernel adds where it moves (beyond what a moved buffer costs by itself)."""
+    kernel = one.kernel
+    assert kernel.num_kernels == SMALL.kernel_ops
+    assert one.spec.kernel_overhead_s == kernel.per_kernel_s
+    assert one.spec.kernel_update_s == kernel.update_per_kernel_s
+    made_up = KernelTiming(11, 10e-6, 30e-6, 15e-6, 55e-6)  # moved: +5 µs, +2 µs per kernel
+    assert made_up.per_kernel_s == pytest.approx(2e-6)
+    assert made_up.update_per_kernel_s == pytest.approx(2e-6)
+    assert KernelTiming(11, 10e-6, 30e-6, 15e-6, 30e-6).update_per_kernel_s == 0.0  # noise
+    assert "per kernel where the buffers moved" in one.summary()
 
 
 def test_one_device_has_no_link_and_says_so(one):

@@ -24,6 +24,7 @@ F32 = np.dtype("float32")
 _RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # added in format 8
 _FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memory_threshold")
 _FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s", "all_to_all_factor")
+_FORMAT_11_FIELDS = ("kernel_update_s",)
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -34,6 +35,7 @@ _ROOFLINE_FIELDS = (
     *_RATE_FIELDS,
     *_FORMAT_9_FIELDS,
     *_FORMAT_10_FIELDS,
+    *_FORMAT_11_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -76,6 +78,7 @@ def test_peak_depends_on_dtype_and_precision():
         ("transpose_bandwidth", float("nan")),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
+        ("kernel_update_s", -1e-6),
         ("all_to_all_factor", 0.0),
     ],
 )
@@ -249,11 +252,12 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
     "version, missing",
     [
         (6, _ROOFLINE_FIELDS),
-        (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS)),
-        (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS)),
-        (9, _FORMAT_10_FIELDS),
+        (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
+        (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
+        (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
+        (10, _FORMAT_11_FIELDS),
     ],
-    ids=["format 6", "format 7", "format 8", "format 9"],
+    ids=["format 6", "format 7", "format 8", "format 9", "format 10"],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
@@ -293,6 +297,33 @@ def test_a_step_pays_its_launch_and_each_buffer_on_the_host(method):
     assert launched.host_s == pytest.approx(1e-3 + buffers * 1e-5) and free.predicted.host_s == 0
     assert launched.step_time_s - free.predicted.step_time_s == pytest.approx(launched.host_s)
     assert "host launches 1.31 ms" in plan.summary()
+
+
+@pytest.mark.parametrize("method", [None, autopar.Zero3Parallel()], ids=["ILP", "ZeRO-3"])
+def test_a_step_pays_the_update_of_each_kernel_on_the_host(method):
+    """Where a launch updates each kernel (a GPU's graph, whose buffers move every step), the
+    host pays it once per kernel the roofline counts: at least every matmul of the forward and
+    backward passes, fewer than the step's ops (element-wise chains fuse into one kernel)."""
+    step, state, data = abstract_train_inputs(mlp, MLPConfig(64, 64, 64, 2), 64)
+    per_kernel = 1e-4
+    plan, free = (
+        autopar.plan(step, state, data, cluster_spec=spec, method=method)
+        for spec in (dataclasses.replace(NO_LAUNCH, kernel_update_s=per_kernel), NO_LAUNCH)
+    )
+    kernels = plan.predicted.host_s / per_kernel
+    assert kernels == pytest.approx(round(kernels))
+    matmuls = 2 + 2 + 1  # 2 layers: a forward matmul each, 2 backward for one, 1 for the first
+    assert matmuls <= round(kernels) < _num_ops(jax.make_jaxpr(step)(state, data).jaxpr)
+    assert plan.predicted.compute_s == pytest.approx(free.predicted.compute_s)
+    assert plan.predicted.step_time_s - free.predicted.step_time_s == pytest.approx(
+        plan.predicted.host_s
+    )
+
+
+def _num_ops(jaxpr) -> int:
+    """Equations of `jaxpr` and of every jaxpr nested in them (a jit's or a custom rule's body)."""
+    nested = [p.jaxpr if hasattr(p, "jaxpr") else p for e in jaxpr.eqns for p in e.params.values()]
+    return len(jaxpr.eqns) + sum(_num_ops(j) for j in nested if hasattr(j, "eqns"))
 
 
 def test_a_pipeline_is_no_faster_than_its_host_launches_its_tasks():
