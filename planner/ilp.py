@@ -1,4 +1,8 @@
-"""The intra-op ILP (Alpa §4), solved with PuLP: one strategy per group class, least step time.
+"""The intra-op ILP (Alpa §4): one strategy per group class, least step time.
+
+The model is built as arrays (`_Model`) and handed to HiGHS whole; CBC gets it through PuLP.
+Building it through PuLP's expressions cost about as much Python as pricing the menus (0.7 s of
+a GPT layer's candidate ILP), all of it under the GIL, so the stage search's workers queued on it.
 
 Variables: a one-hot binary vector per class (groups of one class share it), and per edge class a
 continuous matrix e[a, b] over (producer spec a, consumer need b) whose row sums are the
@@ -28,12 +32,15 @@ wall-clock `time_limit_s`: the best plan found by then depends on the machine's 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import itertools
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pulp
@@ -61,6 +68,125 @@ _HIGHS_STATE = threading.local()
 
 class _CutsDidNotSettle(Exception):
     """A budgeted solve still adds memory cuts after `_MAX_CUT_ROUNDS` rounds."""
+
+
+class _Status(enum.Enum):
+    OPTIMAL = "optimal"
+    FEASIBLE = "time limit hit"  # stopped at the limit with a plan
+    NO_SOLUTION = "no plan yet"  # stopped at the limit before any plan
+    INFEASIBLE = "no plan"
+
+
+class _Model:
+    """An ILP as arrays: bounded columns, a cost per column, rows `lower <= a·x <= upper`.
+
+    The solvers get the columns in name order and the rows in the order they were added, as
+    PuLP handed them over before: the same model, so the same plans."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._lower: list[float] = []
+        self._upper: list[float] = []
+        self._integer: list[bool] = []
+        self.cost = np.zeros(0)
+        self.row_cols: list[np.ndarray] = []
+        self.row_coefs: list[np.ndarray] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+
+    def add_cols(
+        self, names: Sequence[str], lower: float, upper: float, integer: bool
+    ) -> np.ndarray:
+        """Columns named `names`, all with the same bounds; their indices."""
+        first = len(self.names)
+        self.names += names
+        self._lower += [lower] * len(names)
+        self._upper += [upper] * len(names)
+        self._integer += [integer] * len(names)
+        return np.arange(first, len(self.names))
+
+    def add_row(self, cols, coefs, lower: float, upper: float) -> int:
+        """A row over distinct columns `cols` (zero coefficients left out); its index."""
+        cols, coefs = np.asarray(cols, dtype=np.int64), np.asarray(coefs, dtype=float)
+        keep = coefs != 0
+        self.row_cols.append(cols[keep])
+        self.row_coefs.append(coefs[keep])
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        return len(self.row_lower) - 1
+
+    def set_costs(self, cols, coefs) -> None:
+        """The objective: `coefs` summed per column."""
+        self.cost = np.zeros(len(self.names))
+        np.add.at(self.cost, np.asarray(cols, dtype=np.int64), np.asarray(coefs, dtype=float))
+
+    @functools.cached_property
+    def order(self) -> np.ndarray:
+        """Column indices in name order (columns are all added before the first solve)."""
+        return np.array(sorted(range(len(self.names)), key=self.names.__getitem__), dtype=np.int64)
+
+    def bounds(self, closed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(lower, upper) per column, with the columns `closed` fixed at 0."""
+        upper = np.array(self._upper)
+        upper[list(closed)] = 0.0
+        return np.array(self._lower), upper
+
+    def highs_lp(self, closed: Sequence[int]) -> Any:
+        """The model as HiGHS's `HighsLp`, columns in name order."""
+        import highspy
+
+        order = self.order
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        lower, upper = self.bounds(closed)
+        rows = np.repeat(np.arange(len(self.row_cols)), [len(c) for c in self.row_cols])
+        cols = position[np.concatenate(self.row_cols)] if self.row_cols else np.zeros(0, int)
+        values = np.concatenate(self.row_coefs) if self.row_coefs else np.zeros(0)
+        by_col = np.lexsort((rows, cols))
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = len(order), len(self.row_lower)
+        lp.col_cost_ = self.cost[order]
+        lp.col_lower_, lp.col_upper_ = lower[order], upper[order]
+        lp.row_lower_, lp.row_upper_ = np.array(self.row_lower), np.array(self.row_upper)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.searchsorted(cols[by_col], np.arange(len(order) + 1)).astype(
+            np.int32
+        )
+        lp.a_matrix_.index_ = rows[by_col].astype(np.int32)
+        lp.a_matrix_.value_ = values[by_col]
+        kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+        lp.integrality_ = [kinds[self._integer[c]] for c in order]
+        return lp, position
+
+    def pulp_problem(self, closed: Sequence[int]) -> tuple[pulp.LpProblem, list]:
+        """The model as a PuLP problem (for CBC) and its variables by column."""
+        lower, upper = self.bounds(closed)
+        prob = pulp.LpProblem("autopar", pulp.LpMinimize)
+        variables = [
+            pulp.LpVariable(
+                name,
+                lowBound=None if lo == -np.inf else lo,
+                upBound=None if hi == np.inf else hi,
+                cat=pulp.LpInteger if integer else pulp.LpContinuous,
+            )
+            for name, lo, hi, integer in zip(self.names, lower, upper, self._integer, strict=True)
+        ]
+        nonzero = np.flatnonzero(self.cost)
+        prob += pulp.LpAffineExpression([(variables[c], self.cost[c]) for c in nonzero])
+        for i, (cols, coefs, lo, hi) in enumerate(
+            zip(self.row_cols, self.row_coefs, self.row_lower, self.row_upper, strict=True)
+        ):
+            expr = pulp.LpAffineExpression(
+                [(variables[c], v) for c, v in zip(cols, coefs, strict=True)]
+            )
+            if lo == hi:
+                prob += expr == lo, f"r{i}"
+            else:
+                if lo != -np.inf:
+                    prob += expr >= lo, f"r{i}_lo"
+                if hi != np.inf:
+                    prob += expr <= hi, f"r{i}_hi"
+        return prob, variables
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,151 +250,163 @@ class IntraOpIlp:
         self.time_limit_s = time_limit_s
         self.relative_gap = relative_gap  # stop within this fraction of optimal (None: solver's)
         self.presolve = presolve  # HiGHS's presolve (`_solve_highs`)
-        self._time: tuple[pulp.LpProblem, list] | None = None  # the time model and its cuts
-        self._cuts: dict[int, pulp.LpConstraint] = {}
+        self._time: tuple[_Model, list[np.ndarray]] | None = None  # the time model, its cuts
+        self._cuts: dict[int, _Cut] = {}
         self._budget = np.inf
 
     # ------------------------------------------------------------------ model
 
-    def _base_problem(self, name: str) -> tuple[pulp.LpProblem, list[list[pulp.LpVariable]]]:
-        prob = pulp.LpProblem(name, pulp.LpMinimize)
+    def _base_problem(self) -> tuple[_Model, list[np.ndarray]]:
+        """The choice columns (one binary per class and choice) and their one-hot rows."""
+        model = _Model()
         s = [
-            [pulp.LpVariable(f"s_{c}_{k}", cat=pulp.LpBinary) for k in range(n)]
+            model.add_cols([f"s_{c}_{k}" for k in range(n)], 0.0, 1.0, integer=True)
             for c, n in enumerate(self.num_choices)
         ]
-        for c, vs in enumerate(s):
-            prob += pulp.lpSum(vs) == 1, f"one_{c}"
-        return prob, s
+        for cols in s:
+            model.add_row(cols, np.ones(len(cols)), 1.0, 1.0)
+        return model, s
 
-    def _edge_terms(self, prob, s) -> tuple[list, list]:
-        """Edge variables with their transport constraints; (blocking, overlap) objective terms."""
+    def _edge_terms(self, model: _Model, s) -> tuple[list, list]:
+        """Edge columns with their transport rows; (blocking, overlap) objective terms, each a
+        (columns, microseconds) pair of arrays."""
         blocking, overlap = [], []
         for i, edge in enumerate(self.edges):
             rows, cols = edge.blocking.shape
-            e = [
-                [pulp.LpVariable(f"e_{i}_{a}_{b}", lowBound=0) for b in range(cols)]
-                for a in range(rows)
-            ]
+            e = model.add_cols(
+                [f"e_{i}_{a}_{b}" for a in range(rows) for b in range(cols)],
+                0.0,
+                np.inf,
+                integer=False,
+            ).reshape(rows, cols)
             for a in range(rows):
-                ks = np.flatnonzero(edge.row_of == a)
-                prob += (
-                    pulp.lpSum(e[a]) - pulp.lpSum(s[edge.producer][k] for k in ks) == 0,
-                    f"row_{i}_{a}",
+                ks = s[edge.producer][edge.row_of == a]
+                model.add_row(
+                    np.concatenate([e[a], ks]), np.r_[np.ones(cols), -np.ones(len(ks))], 0.0, 0.0
                 )
             for b in range(cols):
-                ks = np.flatnonzero(edge.col_of == b)
-                prob += (
-                    pulp.lpSum(e[a][b] for a in range(rows))
-                    - pulp.lpSum(s[edge.consumer][k] for k in ks)
-                    == 0,
-                    f"col_{i}_{b}",
+                ks = s[edge.consumer][edge.col_of == b]
+                model.add_row(
+                    np.concatenate([e[:, b], ks]), np.r_[np.ones(rows), -np.ones(len(ks))], 0.0, 0.0
                 )
-            for a in range(rows):
-                for b in range(cols):
-                    if edge.blocking[a, b]:
-                        blocking.append((e[a][b], edge.blocking[a, b] * _MICROSECONDS))
-                    if edge.overlap[a, b]:
-                        overlap.append((e[a][b], edge.overlap[a, b] * _MICROSECONDS))
-                        blocking.append(
-                            (e[a][b], OVERLAP_PENALTY * edge.overlap[a, b] * _MICROSECONDS)
-                        )
+            blocking.append((e.ravel(), edge.blocking.ravel() * _MICROSECONDS))
+            overlap.append((e.ravel(), edge.overlap.ravel() * _MICROSECONDS))
+            blocking.append((e.ravel(), OVERLAP_PENALTY * edge.overlap.ravel() * _MICROSECONDS))
         return blocking, overlap
 
-    def _time_problem(self) -> tuple[pulp.LpProblem, list]:
-        prob, s = self._base_problem("autopar_step_time")
-        blocking, overlap = self._edge_terms(prob, s)
+    def _time_problem(self) -> tuple[_Model, list[np.ndarray]]:
+        model, s = self._base_problem()
+        blocking, overlap = self._edge_terms(model, s)
         compute = []
         for c, cost in enumerate(self.costs):
-            for k, var in enumerate(s[c]):
-                direct = (
-                    cost.compute[k]
-                    + cost.blocking[k]
-                    + OVERLAP_PENALTY * cost.overlap[k]
-                    + cost.tie_break[k]
-                )
-                if direct:
-                    blocking.append((var, direct * _MICROSECONDS))
-                if cost.compute[k]:
-                    compute.append((var, cost.compute[k] * _MICROSECONDS))
-                if cost.overlap[k]:
-                    overlap.append((var, cost.overlap[k] * _MICROSECONDS))
-        exposed = pulp.LpVariable("exposed_overlappable", lowBound=0)
-        prob += pulp.LpAffineExpression(blocking) + exposed
-        prob += (
-            exposed - pulp.LpAffineExpression(overlap) + pulp.LpAffineExpression(compute) >= 0,
-            "exposed",
-        )
-        return prob, s
+            direct = cost.compute + cost.blocking + OVERLAP_PENALTY * cost.overlap + cost.tie_break
+            blocking.append((s[c], np.asarray(direct, dtype=float) * _MICROSECONDS))
+            compute.append((s[c], np.asarray(cost.compute, dtype=float) * _MICROSECONDS))
+            overlap.append((s[c], np.asarray(cost.overlap, dtype=float) * _MICROSECONDS))
+        (exposed,) = model.add_cols(["exposed_overlappable"], 0.0, np.inf, integer=False)
+        blocking.append((np.array([exposed]), np.ones(1)))
+        model.set_costs(*_joined(blocking))
+        # exposed >= overlap - compute: a column may carry both, so their coefficients are summed
+        cols, coefs = _joined([*overlap, *((c, -v) for c, v in compute)])
+        summed = np.zeros(len(model.names))
+        np.add.at(summed, cols, coefs)
+        touched = np.unique(cols)
+        model.add_row(np.r_[exposed, touched], np.r_[1.0, -summed[touched]], 0.0, np.inf)
+        return model, s
 
-    def _add_memory_cut(self, prob, s, step: int, bound) -> pulp.LpConstraint:
+    def _add_memory_cut(self, model: _Model, s, step: int, bound: float, peak=None) -> _Cut:
+        """Memory at `step` within `bound` MiB, or within the column `peak` where given."""
         per_class, const = self.memory.coefficients(step)
-        terms = [
-            (s[c][k], coef[k] / _MIB)
-            for c, coef in sorted(per_class.items())
-            for k in range(len(coef))
-            if coef[k]
-        ]
-        constraint = pulp.LpAffineExpression(terms) + const / _MIB <= bound
-        prob += constraint, f"mem_{step}"
-        return constraint
+        cols = [s[c] for c, _ in sorted(per_class.items())]
+        coefs = [np.asarray(coef, dtype=float) / _MIB for _, coef in sorted(per_class.items())]
+        cols, coefs = (
+            (np.concatenate(cols), np.concatenate(coefs))
+            if cols
+            else (
+                np.zeros(0, np.int64),
+                np.zeros(0),
+            )
+        )
+        if peak is not None:
+            cols, coefs = np.r_[cols, peak], np.r_[coefs, -1.0]
+        row = model.add_row(cols, coefs, -np.inf, bound - const / _MIB)
+        return _Cut(row, const / _MIB)
 
     # ------------------------------------------------------------------ solving
 
-    def _solve_highs(self, prob: pulp.LpProblem, time_limit_s: float) -> None:
+    def _solve_highs(
+        self, model: _Model, closed: Sequence[int], time_limit_s: float
+    ) -> tuple[_Status, np.ndarray | None]:
         """Solve with HiGHS on one thread, seed 0 (module docstring), with its presolve unless
         `presolve` is off. In a thread whose HiGHS scheduler other code started with more
         threads, HiGHS refuses one thread: there it solves with that scheduler, and the plan may
         differ from other machines' (warned once per thread)."""
-        from highspy import HighsModelStatus
+        import highspy
 
-        options = dict(
-            msg=False,
-            timeLimit=time_limit_s,
-            gapRel=self.relative_gap,
-            random_seed=0,
-            presolve="choose" if self.presolve else "off",
-        )
-        if not getattr(_HIGHS_STATE, "refuses_one_thread", False):
-            prob.solve(pulp.HiGHS(threads=1, **options))
-            if prob.solverModel.getModelStatus() != HighsModelStatus.kNotset:
-                return
+        lp, position = model.highs_lp(closed)
+        options = {
+            "output_flag": False,
+            "time_limit": float(time_limit_s),
+            "random_seed": 0,
+            "presolve": "choose" if self.presolve else "off",
+        }
+        if self.relative_gap is not None:
+            options["mip_rel_gap"] = self.relative_gap
+        one_thread = not getattr(_HIGHS_STATE, "refuses_one_thread", False)
+        highs = _run_highs(lp, {**options, "threads": 1} if one_thread else options)
+        if one_thread and highs.getModelStatus() == highspy.HighsModelStatus.kNotset:
             _HIGHS_STATE.refuses_one_thread = True
             logger.warning(
                 "HiGHS refuses to solve on one thread here (other code in this thread started "
                 "it with another thread count); solving on its threads, so plans may differ "
                 "from runs on other machines"
             )
-        prob.solve(pulp.HiGHS(**options))
+            highs = _run_highs(lp, options)
+        status = _highs_statuses().get(highs.getModelStatus(), _Status.NO_SOLUTION)
+        if status is _Status.FEASIBLE and not np.isfinite(highs.getInfo().objective_function_value):
+            status = _Status.NO_SOLUTION
+        if status not in (_Status.OPTIMAL, _Status.FEASIBLE):
+            return status, None
+        return status, np.asarray(highs.getSolution().col_value)[position]
+
+    def _solve_cbc(
+        self, model: _Model, closed: Sequence[int], time_limit_s: float
+    ) -> tuple[_Status, np.ndarray | None]:
+        prob, variables = model.pulp_problem(closed)
+        with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=self.relative_gap)
+        prob.solve(solver)
+        status = {
+            pulp.LpSolutionOptimal: _Status.OPTIMAL,
+            pulp.LpSolutionIntegerFeasible: _Status.FEASIBLE,
+            pulp.LpSolutionNoSolutionFound: _Status.NO_SOLUTION,
+        }.get(prob.sol_status, _Status.INFEASIBLE)
+        if status not in (_Status.OPTIMAL, _Status.FEASIBLE):
+            return status, None
+        return status, np.array([v.varValue or 0.0 for v in variables])
 
     def _solve(
-        self, prob: pulp.LpProblem, s, time_limit_s: float
-    ) -> tuple[np.ndarray, bool] | None:
-        if self.solver == "highs":
-            self._solve_highs(prob, time_limit_s)
-        else:
-            with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
-                warnings.simplefilter("ignore", DeprecationWarning)
-                solver = pulp.PULP_CBC_CMD(
-                    msg=False, timeLimit=time_limit_s, gapRel=self.relative_gap
-                )
-            prob.solve(solver)
-        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return None
-        choices = np.array([int(np.argmax([v.varValue or 0.0 for v in vs])) for vs in s])
-        return choices, prob.sol_status == pulp.LpSolutionOptimal
+        self, model: _Model, s, closed: Sequence[int], time_limit_s: float
+    ) -> tuple[_Status, np.ndarray | None]:
+        """(status, column values) of one solve with the columns `closed` fixed at 0."""
+        solve = self._solve_highs if self.solver == "highs" else self._solve_cbc
+        return solve(model, closed, time_limit_s)
 
     def _cut_loop(
         self,
-        prob,
+        model: _Model,
         s,
-        fits: Callable[[np.ndarray, np.ndarray], bool],
-        bound,
-        cut: dict[int, pulp.LpConstraint],
+        fits: Callable[[np.ndarray, np.ndarray, np.ndarray], bool],
+        bound: float,
+        cut: dict[int, _Cut],
         escalate: bool,
         deadline: float | None = None,
+        closed: Sequence[int] = (),
+        peak: int | None = None,
     ):
-        """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`;
-        None if infeasible.
+        """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`
+        (choices, memory per step, column values); None if infeasible.
 
         The rounds share the time until `deadline` (default: `time_limit_s` from now); a round
         past it still gets `_LATE_ROUND_SHARE` of the limit (the full limit again where that
@@ -285,30 +423,30 @@ class IntraOpIlp:
         for rounds in itertools.count(1):
             late = self.time_limit_s * _LATE_ROUND_SHARE
             began = time.perf_counter()
-            result = self._solve(prob, s, max(deadline - began, late))
-            if result is None and prob.sol_status == pulp.LpSolutionNoSolutionFound:
-                result = self._solve(prob, s, self.time_limit_s)  # out of time before any plan
+            status, values = self._solve(model, s, closed, max(deadline - began, late))
+            if status is _Status.NO_SOLUTION:  # out of time before any plan
+                status, values = self._solve(model, s, closed, self.time_limit_s)
             logger.debug(
                 "memory-cut round %d (%d cuts): %s in %.2f s",
                 rounds,
                 len(cut),
-                "no plan" if result is None else "optimal" if result[1] else "time limit hit",
+                status.value,
                 time.perf_counter() - began,
             )
-            if result is None:
+            if values is None:
                 return None
-            choices, opt = result
-            optimal = optimal and opt
+            choices = np.array([int(np.argmax(values[cols])) for cols in s])
+            optimal = optimal and status is _Status.OPTIMAL
             per_step = self.memory.evaluate(choices)
             worst = [int(t) for t in np.argsort(-per_step, kind="stable") if int(t) not in cut]
-            if fits(choices, per_step) or not worst:  # no step left uncut: fits up to rounding
+            if fits(choices, per_step, values) or not worst:  # no step left uncut: fits
                 return choices, optimal, rounds
             if rounds >= _MAX_CUT_ROUNDS and not escalate:
                 raise _CutsDidNotSettle
             doublings = max(0, rounds - _MAX_CUT_ROUNDS) // _ROUNDS_PER_DOUBLING
             width = _CUTS_PER_ROUND << doublings
             for step in worst[:width]:
-                cut[step] = self._add_memory_cut(prob, s, step, bound)
+                cut[step] = self._add_memory_cut(model, s, step, bound, peak)
 
     def solve(
         self,
@@ -324,22 +462,21 @@ class IntraOpIlp:
         start = time.perf_counter()
         if self._time is None or budget_bytes > self._budget:
             self._time, self._cuts = self._time_problem(), {}
-        prob, s = self._time
-        for constraint in self._cuts.values():  # the same cuts, at the new bound
-            constraint.constant += (self._budget - budget_bytes) / _MIB
+        model, s = self._time
+        for memory_cut in self._cuts.values():  # the same cuts, at the new bound
+            model.row_upper[memory_cut.row] = budget_bytes / _MIB - memory_cut.const
         self._budget = budget_bytes
-        left_out = [s[c][k] for c, ks in (forbidden or {}).items() for k in ks]
-        for var in left_out:
-            var.upBound = 0
+        closed = [int(s[c][k]) for c, ks in (forbidden or {}).items() for k in ks]
         try:
             result = self._cut_loop(
-                prob,
+                model,
                 s,
-                lambda _, per_step: per_step.max() <= budget_bytes,
+                lambda _, per_step, __: per_step.max() <= budget_bytes,
                 budget_bytes / _MIB,
                 self._cuts,
                 escalate=False,
                 deadline=deadline,
+                closed=closed,
             )
         except _CutsDidNotSettle:
             least = self.least_memory()
@@ -352,9 +489,6 @@ class IntraOpIlp:
                 budget_bytes,
                 least,
             ) from None
-        finally:
-            for var in left_out:
-                var.upBound = 1
         if result is None:
             return None
         choices, optimal, rounds = result
@@ -368,17 +502,60 @@ class IntraOpIlp:
 
     def least_memory_choices(self) -> np.ndarray:
         """The choices (per class) of least peak memory per device, ignoring step time."""
-        prob, s = self._base_problem("autopar_least_memory")
-        peak = pulp.LpVariable("peak_mib", lowBound=0)
-        prob += peak
+        model, s = self._base_problem()
+        (peak,) = model.add_cols(["peak_mib"], 0.0, np.inf, integer=False)
+        model.set_costs([peak], [1.0])
         result = self._cut_loop(
-            prob,
+            model,
             s,
-            lambda _, per_step: per_step.max() / _MIB <= peak.varValue + 1e-6,
-            peak,
+            lambda _, per_step, values: per_step.max() / _MIB <= values[peak] + 1e-6,
+            0.0,
             {},
             escalate=True,
+            peak=peak,
         )
         if result is None:
             raise InfeasibleError("the sharding ILP has no solution even without a memory budget")
         return result[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Cut:
+    """A memory cut: its row, and its constant term (MiB) that the budget's bound is less."""
+
+    row: int
+    const: float
+
+
+def _joined(terms: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, coefficients) of (columns, coefficients) pairs, concatenated."""
+    if not terms:
+        return np.zeros(0, np.int64), np.zeros(0)
+    return (
+        np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in terms]),
+        np.concatenate([np.asarray(v, dtype=float) for _, v in terms]),
+    )
+
+
+def _run_highs(lp: Any, options: Mapping[str, Any]) -> Any:
+    import highspy
+
+    highs = highspy.Highs()
+    for name, value in options.items():
+        highs.setOptionValue(name, value)
+    highs.passModel(lp)
+    highs.run()
+    return highs
+
+
+@functools.cache
+def _highs_statuses() -> dict[Any, _Status]:
+    from highspy import HighsModelStatus as M
+
+    limits = (M.kTimeLimit, M.kIterationLimit, M.kInterrupt, M.kObjectiveBound, M.kObjectiveTarget)
+    return {
+        M.kOptimal: _Status.OPTIMAL,
+        **dict.fromkeys(limits, _Status.FEASIBLE),
+        M.kInfeasible: _Status.INFEASIBLE,
+        M.kUnboundedOrInfeasible: _Status.INFEASIBLE,
+    }
