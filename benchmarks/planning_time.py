@@ -140,7 +140,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "trace: `trace_step` (jaxpr, inlining, op graph); build: grouping, strategy menus, costs, "
-        "memory model; ILP: PuLP solve incl. memory cuts; plan = build + ILP; total = trace + plan "
+        "memory model; ILP: HiGHS solve incl. memory cuts; plan = build + ILP; total = trace + plan "
         "(what `autopar.plan` spends).",
     ]
     target = result.get("target")
