@@ -140,8 +140,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "trace: `trace_step` (jaxpr, inlining, op graph); build: grouping, strategy menus, costs, "
-        "memory model; ILP: HiGHS solve incl. memory cuts; plan = build + ILP; total = trace + plan "
-        "(what `autopar.plan` spends).",
+        "memory model; ILP: HiGHS solve incl. memory cuts; plan = build + ILP; total = trace + "
+        "plan (what `autopar.plan` spends).",
     ]
     target = result.get("target")
     if target:

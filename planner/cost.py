@@ -111,6 +111,8 @@ class LogicalMesh:
         raise ValueError(f"mesh axis {axis!r} is not in mesh with axes {self.axis_names}")
 
     def axis_size(self, axis: AxisRef) -> int:
+        if axis in self.axis_names:  # the common case, first: a name (ints are never names)
+            return self.shape[self.axis_names.index(axis)]
         return self.shape[self.axis_index(axis)]
 
     def collective_cost(

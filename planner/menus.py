@@ -125,6 +125,7 @@ class MenuBuilder:
         self._menus: dict[int, Menu] = {}
         self._costs: dict[tuple, Costs] = {}  # group_costs by class and members' context
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
+        self._tiles: dict[Spec, int] = {}  # devices a spec splits a tensor over
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ menus
@@ -259,7 +260,9 @@ class MenuBuilder:
         return found
 
     def spec_bytes(self, shape, itemsize: int, spec: Spec) -> float:
-        tiles = math.prod(split_size(self.mesh, e) for e in spec if e)
+        tiles = self._tiles.get(spec)
+        if tiles is None:  # cached: asked ~100k times per layer ILP, for a few hundred specs
+            tiles = self._tiles[spec] = math.prod(split_size(self.mesh, e) for e in spec if e)
         return math.prod(shape) * itemsize / tiles
 
     def group_costs(self, group: Group) -> Costs:
