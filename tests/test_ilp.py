@@ -1,0 +1,111 @@
+"""The intra-op ILP against brute force: random small models (classes, resharding edges with
+blocking and overlappable costs, a memory model per step), solved by HiGHS (the model handed
+over as arrays) and by CBC (through PuLP), must reach the least objective of every assignment
+that fits the budget, and the least peak memory."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from autopar.planner.ilp import OVERLAP_PENALTY, ClassCosts, EdgeClass, IntraOpIlp, MemoryModel
+
+
+def _random_model(seed: int):
+    rng = np.random.default_rng(seed)
+    num_choices = [int(n) for n in rng.integers(2, 4, size=int(rng.integers(2, 5)))]
+
+    def some(n, share=0.6):  # sparse non-negative costs, as the menus give
+        return np.where(rng.random(n) < share, rng.random(n), 0.0)
+
+    costs = [ClassCosts(some(n, 1.0), some(n), some(n), some(n, 0.2) * 1e-3) for n in num_choices]
+    edges = []
+    for producer, consumer in itertools.combinations(range(len(num_choices)), 2):
+        if rng.random() < 0.6:
+            rows, cols = (
+                int(rng.integers(1, num_choices[producer] + 1)),
+                int(rng.integers(1, num_choices[consumer] + 1)),
+            )
+            row_of = np.arange(num_choices[producer]) % rows
+            col_of = np.arange(num_choices[consumer]) % cols
+            hidden = rng.random() < 0.5  # a cell is blocking or overlappable, as the menus make
+            matrix = some(rows * cols).reshape(rows, cols) * (8.0 if hidden else 1.0)
+            zeros = np.zeros((rows, cols))
+            blocking, overlap = (zeros, matrix) if hidden else (matrix, zeros)
+            edges.append(EdgeClass(producer, consumer, row_of, col_of, blocking, overlap))
+    steps = 5
+    coef = [[rng.random(n) * 2**20 for n in num_choices] for _ in range(steps)]
+    const = rng.random(steps) * 2**20
+
+    def evaluate(choices):
+        return np.array(
+            [const[t] + sum(coef[t][c][k] for c, k in enumerate(choices)) for t in range(steps)]
+        )
+
+    memory = MemoryModel(evaluate, lambda t: (dict(enumerate(coef[t])), float(const[t])))
+    return num_choices, costs, edges, memory
+
+
+def _objective(choices, costs, edges) -> float:
+    """The ILP's objective (microseconds) of one assignment, as its module docstring defines it."""
+    direct = sum(
+        c.compute[k] + c.blocking[k] + OVERLAP_PENALTY * c.overlap[k] + c.tie_break[k]
+        for c, k in zip(costs, choices, strict=True)
+    )
+    compute = sum(c.compute[k] for c, k in zip(costs, choices, strict=True))
+    overlap = sum(c.overlap[k] for c, k in zip(costs, choices, strict=True))
+    for e in edges:
+        a, b = e.row_of[choices[e.producer]], e.col_of[choices[e.consumer]]
+        direct += e.blocking[a, b] + OVERLAP_PENALTY * e.overlap[a, b]
+        overlap += e.overlap[a, b]
+    return 1e6 * (direct + max(0.0, overlap - compute))
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_matches_brute_force(seed, solver):
+    num_choices, costs, edges, memory = _random_model(seed)
+    every = list(itertools.product(*(range(n) for n in num_choices)))
+    peaks = {c: float(memory.evaluate(c).max()) for c in every}
+    least = min(peaks.values())
+    ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver)
+    assert ilp.least_memory() == pytest.approx(least)
+    for budget in (max(peaks.values()), (least + max(peaks.values())) / 2, least * (1 + 1e-6)):
+        fitting = [c for c in every if peaks[c] <= budget]
+        best = min(_objective(c, costs, edges) for c in fitting)
+        solution = ilp.solve(budget)
+        assert solution is not None and solution.optimal
+        chosen = tuple(int(k) for k in solution.choices)
+        assert peaks[chosen] <= budget * (1 + 1e-9)
+        assert _objective(chosen, costs, edges) == pytest.approx(best, rel=1e-7, abs=1e-6)
+    assert ilp.solve(least * 0.99) is None  # below every assignment's peak: no plan
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_forbidden_choices_are_left_out(solver):
+    num_choices, costs, edges, memory = _random_model(3)
+    every = list(itertools.product(*(range(n) for n in num_choices)))
+    ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver)
+    free = tuple(int(k) for k in ilp.solve(np.inf).choices)
+    forbidden = {0: [free[0]]}
+    allowed = [c for c in every if c[0] != free[0]]
+    best = min(_objective(c, costs, edges) for c in allowed)
+    chosen = tuple(int(k) for k in ilp.solve(np.inf, forbidden=forbidden).choices)
+    assert chosen[0] != free[0]
+    assert _objective(chosen, costs, edges) == pytest.approx(best, rel=1e-7, abs=1e-6)
+    assert tuple(int(k) for k in ilp.solve(np.inf).choices) == free  # left out for one solve
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_hidden_communication_still_costs_its_penalty(solver):
+    """Two plans whose communication hides behind compute: the one that moves less wins, by
+    `OVERLAP_PENALTY` of the time it moves (the module docstring of `planner.ilp`)."""
+    zeros = np.zeros(2)
+    costs = [ClassCosts(np.array([1.0, 1.0]), zeros, zeros, zeros)] * 2
+    overlap = np.array([[0.0, 0.5], [0.5, 0.0]])  # resharding unless both choose alike
+    edge = EdgeClass(0, 1, np.arange(2), np.arange(2), np.zeros((2, 2)), overlap)
+    memory = MemoryModel(lambda choices: np.zeros(1), lambda step: ({}, 0.0))
+    ilp = IntraOpIlp([2, 2], costs, [edge], memory, solver=solver)
+    choices = ilp.solve(np.inf).choices
+    assert choices[0] == choices[1]
+    assert _objective((0, 1), costs, [edge]) == pytest.approx(2e6 + OVERLAP_PENALTY * 0.5e6)
