@@ -104,15 +104,13 @@ class LogicalMesh:
         return math.prod(self.shape)
 
     def axis_index(self, axis: AxisRef) -> int:
+        if axis in self.axis_names:  # a name, the common case (the cost model asks ~100k times)
+            return self.axis_names.index(axis)
         if isinstance(axis, int) and 0 <= axis < len(self.shape):
             return axis
-        if isinstance(axis, str) and axis in self.axis_names:
-            return self.axis_names.index(axis)
         raise ValueError(f"mesh axis {axis!r} is not in mesh with axes {self.axis_names}")
 
     def axis_size(self, axis: AxisRef) -> int:
-        if axis in self.axis_names:  # the common case, first: a name (ints are never names)
-            return self.shape[self.axis_names.index(axis)]
         return self.shape[self.axis_index(axis)]
 
     def collective_cost(
