@@ -286,6 +286,8 @@ def main() -> None:
 
 
 def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
+    from autopar.runtime.cluster_profile import efficiency_text
+
     RESULTS.mkdir(exist_ok=True)
     data = {
         "device": f"one real {device}",
@@ -308,6 +310,8 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         f"| matmul fp32 (default precision) | {spec.tf32_flops / 1e9:.1f} GFLOP/s |",
         f"| matmul fp32 (highest precision) | {spec.fp32_flops / 1e9:.1f} GFLOP/s |",
         f"| matmul bf16 | {spec.device_flops / 1e9:.1f} GFLOP/s |",
+        f"| matmul rate by size (share of the fp32 rate) | "
+        f"{efficiency_text(spec.matmul_efficiency)} |",
         f"| memory bandwidth | {spec.memory_bandwidth / 1e9:.2f} GB/s |",
         f"| kernel floor | {spec.kernel_overhead_s * 1e6:.2f} µs |",
         f"| host: launching a program and waiting for it | {spec.launch_overhead_s * 1e6:.1f} µs "

@@ -12,7 +12,11 @@ the efficiencies do not scale): element-wise transcendentals (`exp`, `tanh`, ...
 `transcendental_rate` elements/s, convolutions at `conv_flops`, transposes that move the minor
 (contiguous) dimension at `transpose_bandwidth`, and matmuls whose lhs contracts a dimension other
 than its minor one (a weight gradient x^T·dy, which XLA:CPU runs outside its fast matmul kernels)
-at `transposed_matmul_flops`. The fields after `platform` have defaults that
+at `transposed_matmul_flops`. A small matmul does not reach the peak (it leaves cores or
+tensor-core units idle and pays set-up that a large one amortizes): `matmul_efficiency` holds
+measured (FLOPs, fraction of the peak) points, and a contraction of F FLOPs per device runs at
+its peak times `matmul_fraction(F)` (`autopar.profile_cluster()` measures the points; the
+presets have none). The fields after `platform` have defaults that
 reproduce the FLOP-only model older plan files were priced with (memory bandwidth unknown, so
 memory-bound work is free; transcendentals one FLOP per element, convolutions at the matmul peak,
 transposes folded into their readers): the presets and `autopar.profile_cluster()` give real
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import numbers
@@ -89,6 +94,20 @@ def _dtype_name(dtype: Any) -> str:
     return getattr(dtype, "name", str(dtype))
 
 
+def _checked_curve(curve: Any) -> tuple[tuple[float, float], ...]:
+    """`ClusterSpec.matmul_efficiency` as a tuple of (FLOPs, fraction) float pairs (JSON gives
+    lists), or ValueError naming what is wrong."""
+    hint = "pairs (FLOPs > 0, fraction in (0, 1]) with FLOPs increasing"
+    try:
+        points = tuple((float(f), float(e)) for f, e in curve)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}") from e
+    ok = all(math.isfinite(f) and f > 0 and 0 < e <= 1 for f, e in points)
+    if not ok or any(f0 >= f1 for (f0, _), (f1, _) in itertools.pairwise(points)):
+        raise ValueError(f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}")
+    return points
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """A homogeneous cluster of `num_hosts` hosts with `devices_per_host` accelerators each."""
@@ -119,6 +138,8 @@ class ClusterSpec:
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
     kernel_update_s: float = 0.0  # host time each kernel adds to a launch whose buffers moved
     all_to_all_factor: float = 1.0  # all-to-all time over its α-β formula's bytes term
+    # (FLOPs, fraction of the peak) of matmuls by size, FLOPs increasing; () : every size at peak
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:
@@ -147,6 +168,7 @@ class ClusterSpec:
                 kind = "number in (0, 1]" if field in _FRACTION_FIELDS else "positive finite number"
                 raise ValueError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
             object.__setattr__(self, field, float(value))
+        object.__setattr__(self, "matmul_efficiency", _checked_curve(self.matmul_efficiency))
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
         if self.platform not in PLATFORMS:
@@ -183,9 +205,24 @@ class ClusterSpec:
             return self.tf32_flops or fp32
         return fp32
 
+    def matmul_fraction(self, flops: float) -> float:
+        """The share of its peak a matmul of `flops` FLOPs (per device) reaches: linear in
+        log FLOPs between the `matmul_efficiency` points, the nearest point's outside them."""
+        curve = self.matmul_efficiency
+        if not curve:
+            return 1.0
+        if flops <= curve[0][0]:
+            return curve[0][1]
+        for (f0, e0), (f1, e1) in itertools.pairwise(curve):
+            if flops <= f1:
+                return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
+        return curve[-1][1]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; `ClusterSpec.from_dict` reads it back unchanged."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["matmul_efficiency"] = [list(point) for point in self.matmul_efficiency]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:

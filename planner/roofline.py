@@ -23,6 +23,14 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   runs at `transposed_matmul_flops`: XLA:CPU leaves it to Eigen, at a fraction of its matmul
   kernels' rate.
 
+A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs per device: a
+small matmul leaves cores or tensor-core units idle and pays set-up that a large one amortizes
+(XLA:CPU runs a 128x64x64 matmul on one of two cores, at under half the peak; an H200 takes
+3 µs for a 256x128x128 one, 1% of its peak). A weight gradient runs at the slower of that and
+`transposed_matmul_flops`, a rate measured at one size. On a GPU, element-wise loops over one
+shape that read a common operand, or where one reads what another writes, are one
+multi-output kernel (`Roofline.kernel_leader`).
+
 Per-device bytes depend on how each operand and output is split, which the caller knows: the
 ILP's menus from a strategy's specs, the data-parallel methods from the batch dims.
 """
@@ -34,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.graph import OpNode, ValueKind
 from autopar.planner.groups import Grouping, Value
+from autopar.planner.memory import value_aval
 from autopar.planner.primitives import PRIMITIVES, FlopRule, names_where
 
 # What the roofline reads off `primitives.PRIMITIVES`: ops that launch nothing (markers,
@@ -45,6 +54,7 @@ _CONTRACTIONS = frozenset(
     if info.flops in (FlopRule.DOT_GENERAL, FlopRule.CONVOLUTION)
 )
 _TRANSCENDENTAL = names_where("transcendental")
+_FUSED = names_where("fuses")  # element-wise: loop fusions, as the memory model fuses them
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec) -> float:
@@ -91,13 +101,15 @@ def _transposed_lhs(node: OpNode) -> bool:
     return any(d != len(node.in_avals[0].shape) - 1 for d in lhs_contracting)
 
 
-def node_peak(node: OpNode, cluster: ClusterSpec) -> float:
-    """The FLOP/s peak `node` runs at: its operands' dtype for a contraction (TF32 for fp32 at
-    default precision), its output's otherwise."""
+def node_peak(node: OpNode, flops: float, cluster: ClusterSpec) -> float:
+    """The FLOP/s peak `node` runs at doing `flops` per device: its operands' dtype for a
+    contraction (TF32 for fp32 at default precision) times the share a matmul of its size
+    reaches, its output's otherwise."""
     if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
         return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
         peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
+        peak *= cluster.matmul_fraction(flops)
         if cluster.transposed_matmul_flops is not None and _transposed_lhs(node):
             return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)
         return peak
@@ -113,6 +125,7 @@ class Roofline:
         self.fused = fused
         self.cluster = cluster
         self._traffic: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool]] = {}
+        self._leaders: dict[str, str] | None = None
 
     def traffic(self, node: OpNode) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
         """(operands read from memory, outputs written to memory, launches a kernel)."""
@@ -128,9 +141,74 @@ class Roofline:
                     for ref in node.inputs
                 )
                 writes = tuple((node.id, o) not in self.fused for o in range(len(node.out_avals)))
-                found = (reads, writes, any(writes))
+                launches = any(writes) and self.kernel_leader(node) == node.id
+                found = (reads, writes, launches)
             self._traffic[node.id] = found
         return found
+
+    def kernel_leader(self, node: OpNode) -> str:
+        """The node whose kernel `node` runs in: itself, or on a GPU the first node of its
+        multi-output fusion. XLA:GPU fuses element-wise loops over one shape that read a common
+        operand from memory, or where one reads what the other writes, into one kernel that
+        writes each of their results (an Adam update writes a parameter and both its moments
+        from one kernel); XLA:CPU keeps them apart."""
+        if self.cluster.platform != "gpu":
+            return node.id
+        if self._leaders is None:
+            self._leaders = self._multi_output_fusions()
+        return self._leaders.get(node.id, node.id)
+
+    def _multi_output_fusions(self) -> dict[str, str]:
+        """Node -> the first node of its multi-output fusion (see `kernel_leader`), for the
+        element-wise nodes that write a result. Operands of rank 0 (a learning rate, a step
+        count) join nothing, and nodes join only at the same level (how many non-element-wise
+        kernels lead to them, at most), so that no fusion waits for its own result through a
+        matmul or a reduction."""
+        graph = self.grouping.graph
+        order: dict[str, int] = {}
+        parent: dict[str, str] = {}
+
+        def root(n: str) -> str:
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        def join(a: str, b: str) -> None:
+            a, b = sorted((root(a), root(b)), key=order.__getitem__)
+            parent[b] = a
+
+        reads: dict[str, frozenset[Value]] = {}  # what each node's fusion reads from memory
+        level: dict[str, int] = {}
+        first_reader: dict[tuple[Value, tuple[int, ...], int], str] = {}
+        for node in self.grouping.planned_nodes():
+            order[node.id] = len(order)
+            values = [v for ref in node.inputs if (v := self.grouping.value_of(ref)) is not None]
+            reads[node.id] = frozenset().union(
+                *(reads.get(v[0], frozenset()) if v in self.fused else {v} for v in values)
+            )
+            level[node.id] = max(
+                (level[v[0]] + (graph.node(v[0]).primitive not in _FUSED) for v in values if v[0]),
+                default=0,
+            )
+            outputs = [(node.id, o) for o in range(len(node.out_avals))]
+            if node.primitive not in _FUSED or not node.out_avals[0].shape:
+                continue
+            if all(v in self.fused for v in outputs):
+                continue
+            parent[node.id] = node.id
+            shape = tuple(node.out_avals[0].shape)
+            for value in reads[node.id]:
+                if not value_aval(self.grouping, value).shape:
+                    continue
+                writer = value[0]
+                same = writer in parent and level[writer] == level[node.id]
+                if same and tuple(graph.node(writer).out_avals[0].shape) == shape:
+                    join(node.id, writer)  # reads what another writes
+                found = first_reader.setdefault((value, shape, level[node.id]), node.id)
+                if found != node.id:
+                    join(node.id, found)  # reads what another reads
+        return {n: root(n) for n in parent}
 
     def num_kernels(self, nodes: Iterable[OpNode]) -> int:
         """How many of `nodes` launch a kernel of their own (the rest fuse into their readers
@@ -151,7 +229,7 @@ class Roofline:
         reads, writes, launches = self.traffic(node)
         nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
         nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
-        seconds = op_time(flops, nbytes, node_peak(node, self.cluster), self.cluster)
+        seconds = op_time(flops, nbytes, node_peak(node, flops, self.cluster), self.cluster)
         if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
             # flops counts one per element (`planner.graph.elementwise_flops`)
             seconds = max(seconds, flops / self.cluster.transcendental_rate)

@@ -6,6 +6,8 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
 
 - `device_flops`, `tf32_flops`, `fp32_flops`: the median matmul rate over a few shapes in bf16,
   fp32 at JAX's default precision and fp32 at `Precision.HIGHEST` (`microbench.measure_matmuls`);
+- `matmul_efficiency`: how a matmul's rate grows with its size, from float32 matmuls of growing
+  size (`microbench.measure_matmul_ramp`, `matmul_efficiency`);
 - `memory_bandwidth`: a streaming `x * a + b` (bytes read + written per second);
 - `kernel_overhead_s`: one tiny kernel's cost inside a program (not Python's dispatch);
 - `kernel_update_s`: what each kernel adds to a launch whose buffers moved since the last one
@@ -68,6 +70,7 @@ from autopar.runtime.microbench import (
     measure_fresh_memory,
     measure_kernel_floor,
     measure_launch,
+    measure_matmul_ramp,
     measure_matmuls,
     measure_stream,
     measure_transcendental,
@@ -90,7 +93,9 @@ __all__ = [
     "RateTiming",
     "StreamTiming",
     "fit_all_to_all",
+    "efficiency_text",
     "fit_link",
+    "matmul_efficiency",
     "measure_cluster",
     "predicted_collective_s",
     "profile_cluster",
@@ -112,6 +117,7 @@ class ClusterProfile:
 
     spec: ClusterSpec
     matmul: tuple[MatmulTiming, ...]
+    matmul_ramp: tuple[MatmulTiming, ...]
     stream: StreamTiming
     kernel: KernelTiming
     launch: LaunchTiming
@@ -125,6 +131,7 @@ class ClusterProfile:
         return {
             "spec": self.spec.to_dict(),
             "matmul": [_record_dict(t) for t in self.matmul],
+            "matmul_ramp": [_record_dict(t) for t in self.matmul_ramp],
             "stream": _record_dict(self.stream),
             "kernel": _record_dict(self.kernel),
             "launch": _record_dict(self.launch),
@@ -151,6 +158,7 @@ class ClusterProfile:
             return cls(
                 spec=ClusterSpec.from_dict(d["spec"]),
                 matmul=tuple(_record(MatmulTiming, r) for r in d["matmul"]),
+                matmul_ramp=tuple(_record(MatmulTiming, r) for r in d["matmul_ramp"]),
                 stream=_record(StreamTiming, d["stream"]),
                 kernel=_record(KernelTiming, d["kernel"]),
                 launch=_record(LaunchTiming, d["launch"]),
@@ -174,6 +182,7 @@ class ClusterProfile:
             f"  matmul (per device): bf16 {_si(s.device_flops)}FLOP/s, fp32 "
             f"{_si(s.tf32_flops)}FLOP/s at default precision, {_si(s.fp32_flops)}FLOP/s at "
             "highest",
+            f"  matmul rate by size: {efficiency_text(s.matmul_efficiency)}",
             f"  memory (per device): {_si(s.memory_bandwidth)}B/s streaming, "
             f"{_si(s.device_memory)}B; kernel floor {s.kernel_overhead_s * 1e6:.2f} us",
             f"  host: {s.launch_overhead_s * 1e6:.1f} us to launch a program, "
@@ -208,6 +217,13 @@ def _si(value: float | None) -> str:
 
 
 _ENUM_FIELDS = {MatmulTiming: MatmulKind, RateTiming: RateKind, CollectiveTiming: Collective}
+
+
+def efficiency_text(points: Sequence[tuple[float, float]]) -> str:
+    """`ClusterSpec.matmul_efficiency` in words: '12% at 131 kFLOP, ...'."""
+    if not points:
+        return "not measured (every size at the peak)"
+    return ", ".join(f"{e:.0%} at {_si(f)}FLOP" for f, e in points)
 
 
 def _record_dict(record: Any) -> dict[str, Any]:
@@ -295,9 +311,31 @@ def _peaks(matmul: Sequence[MatmulTiming]) -> dict[str, float]:
     }
 
 
+def matmul_efficiency(
+    ramp: Sequence[MatmulTiming], floor_s: float, peak_flops: float
+) -> tuple[tuple[float, float], ...]:
+    """`ClusterSpec.matmul_efficiency` from the ramp's timings: each one's rate beyond the
+    kernel floor (which the roofline adds to every kernel) over `peak_flops`, at most 1 and
+    never falling as matmuls grow (noise aside, a bigger matmul keeps the units a smaller one
+    filled). The ramp stops once a size reaches 90% of the peak, so where the largest fell short,
+    8 times its FLOPs (the next size) is taken to run at the peak. A matmul no slower than the
+    floor tells nothing and is left out."""
+    points: list[tuple[float, float]] = []
+    best = 0.0
+    for t in sorted(ramp, key=lambda t: t.m * t.k * t.n):
+        flops, beyond = 2.0 * t.m * t.k * t.n, t.seconds - floor_s
+        if beyond > 0:
+            best = max(best, min(1.0, flops / beyond / peak_flops))
+            points.append((flops, best))
+    if points and points[-1][1] < 1:
+        points.append((8 * points[-1][0], 1.0))
+    return tuple(points)
+
+
 def build_spec(
     devices: Sequence[jax.Device],
     matmul: Sequence[MatmulTiming],
+    matmul_ramp: Sequence[MatmulTiming],
     stream: StreamTiming,
     kernel: KernelTiming,
     launch: LaunchTiming,
@@ -321,6 +359,7 @@ def build_spec(
         links[0] = links[1]
         unmeasured += _INTER
     platform = devices[0].platform
+    peaks = _peaks(matmul)
     spec = ClusterSpec(
         num_hosts=hosts,
         devices_per_host=per_host,
@@ -339,7 +378,10 @@ def build_spec(
         buffer_overhead_s=launch.per_buffer_s,
         kernel_update_s=kernel.update_per_kernel_s,
         all_to_all_factor=fit_all_to_all(collectives, links),
-        **_peaks(matmul),  # device_flops (bf16), tf32_flops, fp32_flops
+        matmul_efficiency=matmul_efficiency(
+            matmul_ramp, kernel.per_kernel_s, peaks[MatmulKind.FP32.spec_field]
+        ),
+        **peaks,  # device_flops (bf16), tf32_flops, fp32_flops
         **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free
     )
     return spec, unmeasured
@@ -422,6 +464,8 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
     bar = progress_bar(desc="profiling cluster", unit="measurement")
     try:
         matmul = measure_matmuls(local, sizes, bar.update)
+        fp32 = _peaks(matmul)[MatmulKind.FP32.spec_field]
+        matmul_ramp = measure_matmul_ramp(local, sizes, fp32, bar.update)
         stream = measure_stream(local, sizes)
         bar.update()
         kernel = measure_kernel_floor(local, sizes)
@@ -442,10 +486,13 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:
         bar.close()
-    spec, unmeasured = build_spec(devices, matmul, stream, kernel, launch, rates, collectives)
+    spec, unmeasured = build_spec(
+        devices, matmul, matmul_ramp, stream, kernel, launch, rates, collectives
+    )
     profile = ClusterProfile(
         spec,
         tuple(matmul),
+        tuple(matmul_ramp),
         stream,
         kernel,
         launch,

@@ -77,6 +77,8 @@ class ProfileSizes:
     ones reach sizes that show their peak."""
 
     matmul_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)  # square m = k = n
+    ramp_sides: tuple[int, ...] = tuple(32 * 2**i for i in range(8))  # (2s, s) @ (s, s), to 4096
+    ramp_ops: int = 32  # matmuls in each ramp program (against 1)
     stream_bytes: int = 64 * MIB  # per device buffer of the streaming kernel
     kernel_ops: int = 256  # tiny ops in the kernel-floor program (against 1)
     launch_buffers: int = 64  # inputs (and as many outputs) of the launch program (against 1)
@@ -86,7 +88,7 @@ class ProfileSizes:
     max_run_s: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("matmul_sizes", "collective_bytes"):
+        for name in ("matmul_sizes", "ramp_sides", "collective_bytes"):
             value = getattr(self, name)
             ok = isinstance(value, tuple) and value and all(_positive_int(v) for v in value)
             if not ok or list(value) != sorted(set(value)):
@@ -94,9 +96,10 @@ class ProfileSizes:
                     f"ProfileSizes.{name}={value!r} must be a non-empty tuple of increasing "
                     "positive ints"
                 )
-        for name in ("stream_bytes", "kernel_ops", "launch_buffers", "chain", "repeats"):
+        counts = ("stream_bytes", "kernel_ops", "ramp_ops", "launch_buffers", "chain", "repeats")
+        for name in counts:
             value = getattr(self, name)
-            least = 2 if name in ("kernel_ops", "launch_buffers", "chain") else 1
+            least = 2 if name in ("kernel_ops", "ramp_ops", "launch_buffers", "chain") else 1
             if not _positive_int(value) or value < least:
                 raise InvalidArgumentError(
                     f"ProfileSizes.{name}={value!r} must be an int of at least {least}"
@@ -346,6 +349,36 @@ def measure_matmuls(
             timings.append(largest)
         half = max(1, largest.m // 2)
         timings.append(run(4 * half, half))
+    return timings
+
+
+def measure_matmul_ramp(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, peak_flops: float, tick: Callable[[], None]
+) -> list[MatmulTiming]:
+    """Float32 matmuls (2s, s) @ (s, s) at default precision for growing s in
+    `sizes.ramp_sides`, until one reaches 90% of `peak_flops` or the next would take too long:
+    how a matmul's rate grows with its size. Each is (t_N − t_1) / (N − 1) of a chain of
+    N = `sizes.ramp_ops` against a chain of one (small matmuls take less than the dispatch),
+    each chain the least of `4 * sizes.repeats` waited calls."""
+    mesh, d = _local_mesh(devices), len(devices)
+    ops = sizes.ramp_ops
+    timings: list[MatmulTiming] = []
+    for s in sizes.ramp_sides:
+        if timings and sizes.too_slow(timings[-1].seconds, 8 * ops / sizes.chain):
+            break
+        x = _filled(mesh, (d * 2 * s, s), jnp.float32, 0.5)
+        w = _filled(mesh, (d * s, s), jnp.float32, 1.0 / s)  # x @ w stays 0.5
+        seconds = []
+        for n in (1, ops):
+            compiled = _compiled(_per_device(mesh, 2)(_chained(jnp.matmul, n)), x, (w,))
+            least, x = _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+            seconds.append(least)
+        per_op = max(0.0, seconds[1] - seconds[0]) / (ops - 1)
+        timings.append(MatmulTiming(MatmulKind.FP32, 2 * s, s, s, per_op))
+        tick()
+        share = timings[-1].flops_per_s / peak_flops if per_op > 0 else 0.0
+        if _agreed(share) >= 0.9:  # process 0 decides for all: they run the same programs
+            break
     return timings
 
 

@@ -23,10 +23,12 @@ from autopar.runtime.cluster_profile import (
     KernelTiming,
     LaunchTiming,
     MatmulKind,
+    MatmulTiming,
     ProfileSizes,
     RateKind,
     fit_all_to_all,
     fit_link,
+    matmul_efficiency,
     measure_cluster,
     predicted_collective_s,
 )
@@ -123,6 +125,29 @@ def test_the_launch_timing_splits_into_a_launch_and_a_cost_per_buffer(one):
     assert made_up.launch_s == pytest.approx(46e-6)
     assert LaunchTiming(11, 50e-6, 40e-6).per_buffer_s == 0.0  # noise: never negative
     assert "to launch a program" in one.summary()
+
+
+def test_the_matmul_ramp_gives_the_share_of_the_peak_by_size(one):
+    """Matmuls of growing size, each's rate beyond the kernel floor over the fp32 peak: never
+    above 1, never falling as matmuls grow, and the next size up at the peak where the largest
+    fell short of it."""
+    ramp = one.matmul_ramp
+    assert ramp and all(t.kind is MatmulKind.FP32 and t.m == 2 * t.k == 2 * t.n for t in ramp)
+    curve = one.spec.matmul_efficiency
+    assert curve == matmul_efficiency(ramp, one.spec.kernel_overhead_s, one.spec.tf32_flops)
+    fractions = [e for _, e in curve]
+    assert fractions == sorted(fractions) and fractions[0] > 0 and fractions[-1] == 1.0
+    made_up = [  # beyond a 1 µs floor: 1 MFLOP in 3 µs, 8 in 32 (a dip), 64 in 128
+        MatmulTiming(MatmulKind.FP32, 2 * s, s, s, seconds)
+        for s, seconds in ((64, 4e-6), (128, 33e-6), (256, 129e-6))
+    ]
+    peak = 2 * 128 * 64 * 64 / 1e-6  # 1 µs beyond the floor for 1 MFLOP
+    flops = [2.0 * t.m * t.k * t.n for t in made_up]
+    points = matmul_efficiency(made_up, 1e-6, peak)
+    assert [f for f, _ in points] == [*flops, 8 * flops[2]]
+    assert [e for _, e in points] == pytest.approx([1 / 3, 1 / 3, 0.5, 1.0])
+    assert matmul_efficiency(made_up[:1], 5e-6, peak) == ()  # no slower than the floor
+    assert "matmul rate by size" in one.summary()
 
 
 def test_the_kernel_timing_splits_off_what_moved_buffers_add_per_kernel(one):

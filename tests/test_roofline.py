@@ -25,6 +25,7 @@ _RATE_FIELDS = ("transcendental_rate", "conv_flops", "transpose_bandwidth")  # a
 _FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memory_threshold")
 _FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s", "all_to_all_factor")
 _FORMAT_11_FIELDS = ("kernel_update_s",)
+_FORMAT_12_FIELDS = ("matmul_efficiency",)
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -36,6 +37,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_9_FIELDS,
     *_FORMAT_10_FIELDS,
     *_FORMAT_11_FIELDS,
+    *_FORMAT_12_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -154,6 +156,52 @@ def test_weight_gradient_matmuls_run_at_the_measured_transposed_rate():
     assert _compute_s(gradient, 0.0, x, unmeasured) == pytest.approx(flops / peak + overhead)
 
 
+RAMP = ((1e6, 0.25), (1e8, 0.75))  # a quarter of the peak at 1 MFLOP, three quarters at 100
+
+
+def test_matmul_fraction_is_linear_in_log_flops_between_the_measured_points():
+    spec = dataclasses.replace(CPU, matmul_efficiency=RAMP)
+    assert spec.matmul_fraction(1e3) == spec.matmul_fraction(1e6) == 0.25  # below: the first
+    assert spec.matmul_fraction(1e7) == pytest.approx(0.5)  # halfway in log FLOPs
+    assert spec.matmul_fraction(1e8) == spec.matmul_fraction(1e12) == 0.75  # above: the last
+    assert CPU.matmul_fraction(1.0) == 1.0  # no curve: every size at the peak
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [
+        ((1e8, 0.5), (1e6, 0.75)),  # FLOPs decreasing
+        ((1e6, 0.5), (1e6, 0.75)),  # FLOPs repeated
+        ((1e6, 0.0),),  # no rate
+        ((1e6, 1.5),),  # above the peak
+        ((-1.0, 0.5),),
+        ((1e6,),),  # not a pair
+        "fast",
+    ],
+)
+def test_matmul_efficiency_is_validated(curve):
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        dataclasses.replace(CPU, matmul_efficiency=curve)
+
+
+def test_small_matmuls_run_at_their_share_of_the_peak():
+    """(64, 64) @ (64, 64) is 0.5 MFLOP: a quarter of the peak (below the first point); the
+    (4096, 256) @ (256, 256) matmul's 537 MFLOP, above the last point, three quarters."""
+    spec = dataclasses.replace(CPU, matmul_efficiency=RAMP, memory_bandwidth=None)
+    peak = spec.peak_flops(F32, matmul=True) * spec.compute_efficiency
+    for rows, cols, fraction in ((64, 64, 0.25), (4096, 256, 0.75)):
+        x = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+        w = jnp.zeros((cols, cols))
+        flops = 2 * rows * cols * cols
+        expected = flops / (peak * fraction) + spec.kernel_overhead_s
+        assert _compute_s(lambda w, x: (w, x @ w), w, x, spec) == pytest.approx(expected)
+
+
+def test_matmul_efficiency_round_trips_through_json():
+    spec = dataclasses.replace(CPU, matmul_efficiency=RAMP)
+    assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
 def test_temporaries_mapped_afresh_each_step_cost_their_bytes_at_the_fresh_rate():
     """From `fresh_memory_threshold` bytes of temporaries up, a step pays them at
     `fresh_memory_rate` (page faults); below it, or with pooled memory, nothing."""
@@ -253,11 +301,12 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
     [
         (6, _ROOFLINE_FIELDS),
         (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
-        (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
-        (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
-        (10, _FORMAT_11_FIELDS),
+        (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
+        (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
+        (10, (*_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
+        (11, _FORMAT_12_FIELDS),
     ],
-    ids=["format 6", "format 7", "format 8", "format 9", "format 10"],
+    ids=["format 6", "format 7", "format 8", "format 9", "format 10", "format 11"],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
@@ -318,6 +367,28 @@ def test_a_step_pays_the_update_of_each_kernel_on_the_host(method):
     assert plan.predicted.step_time_s - free.predicted.step_time_s == pytest.approx(
         plan.predicted.host_s
     )
+
+
+def _adam_like(state, grads):
+    params, mu, nu = state
+    mu = [0.9 * m + 0.1 * g for m, g in zip(mu, grads, strict=True)]
+    nu = [0.99 * v + 0.01 * g * g for v, g in zip(nu, grads, strict=True)]
+    params = [p - 1e-3 * m / (jnp.sqrt(v) + 1e-8) for p, m, v in zip(params, mu, nu, strict=True)]
+    return (params, mu, nu), 0.0
+
+
+@pytest.mark.parametrize("platform, kernels", [("gpu", 3), ("cpu", 9)])
+def test_a_gpu_updates_each_parameter_and_its_moments_in_one_kernel(platform, kernels):
+    """An Adam-like update of 3 parameters writes 9 arrays. XLA:GPU writes a parameter and
+    both its moments from one multi-output kernel (they read the same gradient, and the
+    parameter reads the moments written): 3 kernels; XLA:CPU runs a kernel per array."""
+    spec = dataclasses.replace(  # a 1 s kernel floor: the compute time counts the kernels
+        NO_LAUNCH.with_devices(1, 1), platform=platform, kernel_update_s=1e-4, kernel_overhead_s=1
+    )
+    arrays = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3
+    plan = autopar.plan(_adam_like, (arrays, arrays, arrays), arrays, cluster_spec=spec)
+    assert plan.predicted.host_s == pytest.approx(kernels * 1e-4)
+    assert round(plan.predicted.compute_s) == kernels
 
 
 def _num_ops(jaxpr) -> int:
