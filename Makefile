@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=20
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/methods.py
