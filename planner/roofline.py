@@ -188,7 +188,11 @@ class Roofline:
                 *(reads.get(v[0], frozenset()) if v in self.fused else {v} for v in values)
             )
             level[node.id] = max(
-                (level[v[0]] + (graph.node(v[0]).primitive not in _FUSED) for v in values if v[0]),
+                (
+                    level.get(v[0], 0) + (graph.node(v[0]).primitive not in _FUSED)
+                    for v in values
+                    if v[0]
+                ),
                 default=0,
             )
             outputs = [(node.id, o) for o in range(len(node.out_avals))]
