@@ -296,6 +296,16 @@ def _op_s(
     return many / sizes.chain
 
 
+def _least_matmul_chain_s(
+    mesh: Mesh, x: jax.Array, w: jax.Array, ops: int, sizes: ProfileSizes, donated: bool = True
+) -> tuple[float, jax.Array]:
+    """Least time of `4 * sizes.repeats` waited calls of a program of `ops` dependent matmuls
+    x -> x @ w on each device of `mesh`, and the last x: the timing behind the kernel floor and
+    the matmul ramp, which difference chains of different lengths."""
+    compiled = _compiled(_per_device(mesh, 2)(_chained(jnp.matmul, ops)), x, (w,), donated)
+    return _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+
+
 def _local_mesh(devices: Sequence[jax.Device]) -> Mesh:
     return Mesh(np.array(devices, dtype=object), ("d",))
 
@@ -364,14 +374,14 @@ def measure_matmul_ramp(
     ops = sizes.ramp_ops
     timings: list[MatmulTiming] = []
     for s in sizes.ramp_sides:
+        # the next size: 8x the FLOPs, in a program of `ops` matmuls (too_slow counts `chain`)
         if timings and sizes.too_slow(timings[-1].seconds, 8 * ops / sizes.chain):
             break
         x = _filled(mesh, (d * 2 * s, s), jnp.float32, 0.5)
         w = _filled(mesh, (d * s, s), jnp.float32, 1.0 / s)  # x @ w stays 0.5
         seconds = []
         for n in (1, ops):
-            compiled = _compiled(_per_device(mesh, 2)(_chained(jnp.matmul, n)), x, (w,))
-            least, x = _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+            least, x = _least_matmul_chain_s(mesh, x, w, n, sizes)
             seconds.append(least)
         per_op = max(0.0, seconds[1] - seconds[0]) / (ops - 1)
         timings.append(MatmulTiming(MatmulKind.FP32, 2 * s, s, s, per_op))
@@ -476,12 +486,10 @@ def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> 
     mesh, d = _local_mesh(devices), len(devices)
     x = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 0.5)
     w = _filled(mesh, (d * _TINY, _TINY), jnp.float32, 1.0 / _TINY)
-    wrap = _per_device(mesh, 2)
     seconds = []
     for donated in (True, False):
         for ops in (1, sizes.kernel_ops):
-            compiled = _compiled(wrap(_chained(jnp.matmul, ops)), x, (w,), donated=donated)
-            least, x = _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+            least, x = _least_matmul_chain_s(mesh, x, w, ops, sizes, donated)
             seconds.append(least)
     return KernelTiming(sizes.kernel_ops, *seconds)
 
