@@ -14,9 +14,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python examples/gpt.py
 
+# Two pytest workers: one alone keeps a 2-core machine about 60% busy. Tests marked xdist_group
+# share a worker, so one local Ray instance runs at a time.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q --durations=20
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=20
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/methods.py

@@ -312,6 +312,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray instance at a time (`make test` runs -n 2)
 def test_on_ray_each_host_is_a_mesh_worker():
     ray = pytest.importorskip("ray")
     from ray._private import state

@@ -28,7 +28,10 @@ BATCH = 32
 STEPS = 3
 GPT = GPTConfig(num_layers=4)
 # ray.init starts its processes with fork+exec while jax's threads run; exec makes that safe.
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning"),
+    pytest.mark.xdist_group("ray"),  # one local Ray instance at a time (`make test` runs -n 2)
+]
 
 MLP = MLPConfig(in_dim=32, hidden=32, out_dim=32, num_layers=4)
 
