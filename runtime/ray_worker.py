@@ -179,6 +179,7 @@ class MeshWorker:
         self.host = host
         self._simulated = simulate_devices
         self._values: dict[Any, Any] = {}
+        self._released: list[Any] = []  # values a `Free` dropped, deleted when the worker waits
         self._timeline: list[TaskTime] = []
         self._clock = DeviceClock()
         self._step = -1
@@ -349,9 +350,8 @@ class MeshWorker:
                 j = instruction.micro_batch
                 self._timed(segment.stage, segment.name, j, runners[segment.stage].run, segment, j)
                 continue
-            if isinstance(instruction, Free):
-                for key in instruction.keys:
-                    runners[instruction.stage].free(key)
+            if isinstance(instruction, Free):  # deleted when the worker next waits, or at the end
+                self._released += [runners[instruction.stage].free(key) for key in instruction.keys]
                 continue
             var, j = instruction.key
             if isinstance(instruction, PlaceInput):
@@ -368,9 +368,12 @@ class MeshWorker:
             elif isinstance(instruction, Receive):
                 tag = (step, layout.var_id[var], j)
                 what = f"{var} of micro-batch {j}" if j is not None else str(var)
+                if not self._transport.arrived(tag, instruction.source):
+                    self._released.clear()
                 value, sent_at = self._transport.receive(tag, instruction.source, var.aval, what)
                 clock.received(sent_at)
                 runners[instruction.stage].place(instruction.key, value)
+        self._released.clear()
 
     def _run_whole(self, values: dict[int, Any]) -> None:
         from autopar.runtime.stage import place

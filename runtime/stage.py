@@ -93,8 +93,9 @@ class StageRunner:
     def value(self, key: Key) -> Any:
         return self.values[key]
 
-    def free(self, key: Key) -> None:
-        self.values.pop(key, None)
+    def free(self, key: Key) -> Any:
+        """Stop holding `key`; its value (None if not held)."""
+        return self.values.pop(key, None)
 
     # ------------------------------------------------------------------ running
 

@@ -4,6 +4,7 @@ read only what they hold, free each value after its last reader; values cross be
 transports whole, in every dtype, and a missing or unreadable one is a clear error in bounded
 time."""
 
+import struct
 import threading
 
 import jax
@@ -211,8 +212,9 @@ def two_transports():
         np.array([True, False, True]),
         np.zeros((0, 3), np.float32),
         jax.random.split(jax.random.key(0), 4),
+        np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024),  # more than a socket buffer
     ],
-    ids=["f32", "scalar", "i32", "bf16", "bool", "empty", "typed-keys"],
+    ids=["f32", "scalar", "i32", "bf16", "bool", "empty", "typed-keys", "4MiB"],
 )
 def test_values_cross_whole_with_their_dtype(two_transports, value):
     first, second = two_transports
@@ -245,7 +247,7 @@ def test_a_value_that_never_comes_is_an_error_naming_it():
 def test_a_message_that_cannot_be_read_fails_the_waiting_receive_at_once(two_transports):
     first, second = two_transports
     connection = first._connection(second.address)
-    connection.send_bytes(b"not json")  # what a broken or foreign sender would write
+    connection.sendall(struct.pack("!Q", 8) + b"not json")  # a broken or foreign sender
     waited = threading.Event()
 
     def receive():
