@@ -14,6 +14,7 @@ it is needed instead of being passed along from the first layer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -147,8 +148,8 @@ def _repeat_phases(ids: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _CutPoints:
-    """Where a layer may start (eqn indices: 0, right before each heavy op but the first, and
-    the end), the bytes live at each of those places, and the FLOPs between them."""
+    """Where a layer may start (eqn indices: 0, one place between each two heavy ops, and the
+    end), the bytes live at each of those places, and the FLOPs between them."""
 
     points: list[int]
     cost: np.ndarray  # per point
@@ -240,10 +241,19 @@ def _block_aligned_layers(
     return min(found, key=lambda f: f[:2], default=None)
 
 
+def _leanest_point(live: np.ndarray, previous: int, heavy: int) -> int:
+    """Where to cut before heavy op `heavy` (after heavy op `previous`): the place between them
+    where the fewest bytes are live, the latest of those tied. A transformer block's residual add
+    comes before its layer norm: cut there, and only the residual crosses to the next stage, not
+    the residual and its normalised copy."""
+    window = live[previous + 1 : heavy + 1]
+    return previous + 1 + int(np.flatnonzero(window == window.min())[-1])
+
+
 def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBALANCE) -> list[int]:
     """Layer index of each eqn: `layer_num` runs, each of at most (1+imbalance)·FLOPs/layer_num,
-    cut right before heavy ops, minimising the most bytes live at any cut, then their sum, then
-    the spread of FLOPs over layers.
+    cut between heavy ops where the fewest bytes are live (`_leanest_point`), minimising the
+    most bytes live at any cut, then their sum, then the spread of FLOPs over layers.
 
     Where the loss repeats a block (transformer blocks), the cuts inside the repetition fall at
     one place of a block and the layers there hold equally many blocks, before the sum and the
@@ -265,9 +275,10 @@ def cluster_layers(jaxpr: Jaxpr, layer_num: int, imbalance: float = DEFAULT_IMBA
         return [-1 if e.primitive.name == PIPELINE_BOUNDARY else 0 for e in eqns]
     live = _live_bytes_at_cuts(jaxpr, floating)
     flops_before = np.concatenate([[0.0], np.cumsum(flops)])
+    points = [_leanest_point(live, a, b) for a, b in itertools.pairwise(heavy)]
     cuts = _CutPoints(
-        points=[0, *heavy[1:], len(eqns)],
-        cost=np.array([0.0, *(live[c] for c in heavy[1:]), 0.0]),
+        points=[0, *points, len(eqns)],
+        cost=np.array([0.0, *(live[c] for c in points), 0.0]),
         flops_before=flops_before,
         cap=(1 + imbalance) * flops_before[-1] / layer_num,
     )

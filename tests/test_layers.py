@@ -276,3 +276,14 @@ def test_clustering_cuts_repeated_blocks_alike(num_blocks, layer_num):
     flat = lambda leaves: jnp.concatenate([jnp.ravel(x) for x in leaves])  # noqa: E731
     expected = flat(jax.tree.leaves(jax.jit(_step(loss))(params, batch)))
     assert relative_error(flat(_evaluate(jaxpr, params, batch)), expected) <= 1e-5
+
+
+def test_clustering_cuts_where_only_the_residual_crosses():
+    """Each boundary carries the residual stream alone: no layer norm output or projection
+    that a cut right before a matmul would also carry (half the bytes between stages)."""
+    from autopar.planner.layers import cluster_layers, crossing_values
+
+    loss, params, batch = _stock_flax_gpt(8)
+    jaxpr = jax.make_jaxpr(loss)(params, batch).jaxpr
+    crossing = crossing_values(jaxpr, cluster_layers(jaxpr, 4))
+    assert [[v.aval.shape for v in values] for values in crossing] == [[]] + [[(4, 8, 16)]] * 3
