@@ -6,16 +6,17 @@ sends the distinct shards it holds straight to every worker of the consuming mes
 connection per pair (opened on first use, authenticated with a key the driver drew for the
 executable): a small JSON header, then each shard's raw bytes, read by the receiver straight into
 a buffer of the right dtype and shape. After the handshake both ends use the bare socket:
-`multiprocessing`'s `recv_bytes_into` reads a large message in pieces and copies it once more,
-which made receiving a 256 KiB activation cost 300–380 µs of CPU against 31 µs with
-`socket.recv_into`. A consuming worker waits until the shards
-from every producing worker have arrived, assembles the whole value on its host and places it
-in the sharding its own stage reads it with (`runtime.stage.place`), which reshards between any
-two mesh shapes. The driver only learns that a step finished.
+`multiprocessing`'s `recv_bytes_into` reads a large message in pieces and copies it once more.
+A consuming worker waits until the shards from every producing worker have arrived, assembles
+the whole value on its host and places it in the sharding its own stage reads it with
+(`runtime.stage.place`), which reshards between any two mesh shapes. The driver only learns
+that a step finished.
 
 Measured on the 2-core development machine between two processes (`make bench-ray` writes the
-step-level figures): a 256 KiB activation takes 0.38 ms over the socket against 1.9 ms as a Ray
-actor call whose argument goes through the object store, and 4 MiB 2.2 ms against 6.0 ms.
+step-level figures): receiving 256 KiB costs 31 µs of CPU with `socket.recv_into` against
+300–380 µs with `recv_bytes_into`; a 256 KiB activation in 4 shards takes 0.14–0.28 ms from
+send to assembled value (0.38 ms before the bare socket, 1.9 ms as a Ray actor call whose
+argument goes through the object store).
 
 Values are tagged (step number, variable id, micro-batch): a send may arrive before the receiver
 has started that step. Sends run on a thread of their own, in order, so that copying a value to
