@@ -17,8 +17,11 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
 * convolutions run at `conv_flops`, which XLA:CPU reaches at well under its matmul peak;
 * a transpose that moves the minor (contiguous) dimension reads with a stride, which XLA:CPU does
   element by element, at `transpose_bandwidth` bytes (read + written) per second, whether it is
-  materialized or fused into its reader's loop. A transpose of a contraction's result, or one
-  that only contractions read, stays free: XLA has the dot write or read it transposed;
+  materialized or fused into its reader's loop. A transpose that only contractions read stays
+  free (XLA folds it into them), and so does one of a contraction's result where XLA has the
+  contraction write it transposed (on a CPU, a dot whose operands can swap). On a CPU a dot's
+  operands are copied into plain matrices where they are not laid out as one
+  (`planner.dot_layout`): each copy is a kernel, priced like a transpose;
 * a matmul whose lhs contracts a dimension other than its minor one (a weight gradient x^T·dy)
   runs at `transposed_matmul_flops`: XLA:CPU leaves it to Eigen, at a fraction of its matmul
   kernels' rate.
@@ -40,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from autopar.planner.cluster import ClusterSpec
+from autopar.planner.dot_layout import LayoutCopy, layout_copies, swaps_free_dims
 from autopar.planner.graph import OpNode, ValueKind
 from autopar.planner.groups import Grouping, Value
 from autopar.planner.memory import value_aval
@@ -101,16 +105,18 @@ def _transposed_lhs(node: OpNode) -> bool:
     return any(d != len(node.in_avals[0].shape) - 1 for d in lhs_contracting)
 
 
-def node_peak(node: OpNode, flops: float, cluster: ClusterSpec) -> float:
+def node_peak(node: OpNode, flops: float, cluster: ClusterSpec, decomposed: bool = False) -> float:
     """The FLOP/s peak `node` runs at doing `flops` per device: its operands' dtype for a
     contraction (TF32 for fp32 at default precision) times the share a matmul of its size
-    reaches, its output's otherwise."""
+    reaches, its output's otherwise. A `decomposed` dot has its operands copied into plain
+    matrices first (`planner.dot_layout`), so its lhs is never read transposed."""
     if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
         return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
         peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
         peak *= cluster.matmul_fraction(flops)
-        if cluster.transposed_matmul_flops is not None and _transposed_lhs(node):
+        transposed = _transposed_lhs(node) and not decomposed
+        if cluster.transposed_matmul_flops is not None and transposed:
             return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)
         return peak
     avals = node.out_avals or node.in_avals
@@ -126,6 +132,7 @@ class Roofline:
         self.cluster = cluster
         self._traffic: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool]] = {}
         self._leaders: dict[str, str] | None = None
+        self._copies: dict[str, tuple[tuple[LayoutCopy, ...], bool]] | None = None
 
     def traffic(self, node: OpNode) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
         """(operands read from memory, outputs written to memory, launches a kernel)."""
@@ -214,10 +221,39 @@ class Roofline:
                     join(node.id, found)  # reads what another reads
         return {n: root(n) for n in parent}
 
+    def layout_copies(self, node: OpNode) -> tuple[tuple[LayoutCopy, ...], bool]:
+        """(the layout copies around contraction `node` that it pays for, whether XLA copies
+        any of its operands): on a CPU, XLA copies a contraction's operands into the layout its
+        library kernel reads where they are not laid out so, and a convolution's result into
+        the layout the jaxpr asks for (`planner.dot_layout`); a value copied into one layout
+        for several contractions is copied once, paid by the first. XLA:GPU's matmuls read
+        strided operands, so a GPU pays none."""
+        if self.cluster.platform != "cpu" or node.primitive not in _CONTRACTIONS:
+            return (), False
+        if self._copies is None:
+            self._copies = self._contraction_layout_copies()
+        return self._copies.get(node.id, ((), False))
+
+    def _contraction_layout_copies(self) -> dict[str, tuple[tuple[LayoutCopy, ...], bool]]:
+        graph, seen = self.grouping.graph, set()
+        found = {}
+        for node in self.grouping.planned_nodes():
+            copies = layout_copies(graph, node)
+            paid = []
+            for copy in copies:
+                key = (node.id if copy.source is None else self.grouping.value_of(copy.source),)
+                if key + copy.order not in seen:
+                    seen.add(key + copy.order)
+                    paid.append(copy)
+            if copies:
+                found[node.id] = (tuple(paid), any(c.position is not None for c in copies))
+        return found
+
     def num_kernels(self, nodes: Iterable[OpNode]) -> int:
         """How many of `nodes` launch a kernel of their own (the rest fuse into their readers
-        or launch nothing): the kernels of a program made of them."""
-        return sum(self.traffic(node)[2] for node in nodes)
+        or launch nothing), and the layout copies they pay for: the kernels of a program made
+        of them."""
+        return sum(self.traffic(node)[2] + len(self.layout_copies(node)[0]) for node in nodes)
 
     def seconds(
         self,
@@ -233,11 +269,28 @@ class Roofline:
         reads, writes, launches = self.traffic(node)
         nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
         nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
-        seconds = op_time(flops, nbytes, node_peak(node, flops, self.cluster), self.cluster)
+        copies, decomposed = self.layout_copies(node)
+        peak = node_peak(node, flops, self.cluster, decomposed)
+        seconds = op_time(flops, nbytes, peak, self.cluster)
         if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
             # flops counts one per element (`planner.graph.elementwise_flops`)
             seconds = max(seconds, flops / self.cluster.transcendental_rate)
+        seconds += sum(
+            self.copy_s(
+                sum(out_bytes) if c.position is None else in_bytes[c.position] or 0.0, c.strided
+            )
+            for c in copies
+        )
         return seconds + (self.cluster.kernel_overhead_s if launches else 0.0)
+
+    def copy_s(self, nbytes: float, strided: bool) -> float:
+        """Seconds of one kernel copying `nbytes` into another layout: read and written at the
+        transpose rate where the minor dim moves, at the streaming rate otherwise."""
+        if strided and self.cluster.transpose_bandwidth is not None:
+            seconds = 2 * nbytes / self.cluster.transpose_bandwidth
+        else:
+            seconds = op_time(0.0, 2 * nbytes, self.cluster.device_flops, self.cluster)
+        return seconds + self.cluster.kernel_overhead_s
 
     def strided_transpose(self, node: OpNode) -> bool:
         """Whether `node` is a transpose priced at `transpose_bandwidth`: one that moves the
@@ -248,8 +301,16 @@ class Roofline:
         if permutation[-1] == len(permutation) - 1:
             return False
         graph = self.grouping.graph
-        producer = graph.producer(node.inputs[0])
-        if producer is not None and producer.primitive in _CONTRACTIONS:
-            return False  # the contraction writes its result transposed
         readers = [graph.node(c).primitive for c, _ in graph.consumers(node.id)]
-        return not all(r in _CONTRACTIONS for r in readers)
+        if all(r in _CONTRACTIONS for r in readers):
+            return False  # the contractions read it transposed (`planner.dot_layout`)
+        producer = graph.producer(node.inputs[0])
+        if producer is None or producer.primitive not in _CONTRACTIONS:
+            return True
+        # XLA has a contraction write its result transposed; on a CPU a dot only where its
+        # operands can swap (`planner.dot_layout.swaps_free_dims`)
+        return (
+            self.cluster.platform == "cpu"
+            and producer.primitive == "dot_general"
+            and not swaps_free_dims(producer, permutation)
+        )

@@ -136,7 +136,10 @@ def test_the_matmul_ramp_gives_the_share_of_the_peak_by_size(one):
     curve = one.spec.matmul_efficiency
     assert curve == matmul_efficiency(ramp, one.spec.kernel_overhead_s, one.spec.tf32_flops)
     fractions = [e for _, e in curve]
-    assert fractions == sorted(fractions) and fractions[0] > 0 and fractions[-1] == 1.0
+    if not curve:  # a floor inflated by a busy machine can swallow every matmul: no points
+        assert all(t.seconds <= one.spec.kernel_overhead_s for t in ramp)
+    else:
+        assert fractions == sorted(fractions) and fractions[0] > 0 and fractions[-1] == 1.0
     made_up = [  # beyond a 1 µs floor: 1 MFLOP in 3 µs, 8 in 32 (a dip), 64 in 128
         MatmulTiming(MatmulKind.FP32, 2 * s, s, s, seconds)
         for s, seconds in ((64, 4e-6), (128, 33e-6), (256, 129e-6))
