@@ -1,25 +1,25 @@
-"""What XLA copies into another layout around a contraction before its library kernel runs.
+"""What XLA:CPU copies into another layout around a contraction before its library kernel runs.
 
-XLA hands a matmul library (YNNPACK or Eigen on a CPU) plain matrices: a dot is *canonical* when
-its batch dims lead both operands in order and each operand has at most one contracting and one
-free dim; the library then reads either operand transposed. Any other dot goes through XLA's
-`DotDecomposer`, which transposes the lhs to [batch, free, contracting] and the rhs to
-[batch, contracting, free] and collapses each group into one dim. A transpose that the
-operand is already in is a bitcast; any other is a copy of the whole operand, a kernel of its own
-(the `copy_bitcast_fusion`s and `transpose_copy_fusion`s of XLA:CPU's profiles). Before that,
-XLA folds the jaxpr's transposes into the dot that reads them (the dot reads the transpose's
-operand with permuted dimension numbers), computes a dot whose result is transposed so that
-only the two operands' free dims swap with its operands swapped, and sorts the contracting dims
-by one side's order where that spares a copy.
+Its matmul kernels (YNNPACK, Eigen) multiply [batch, rows, k] by [batch, k, columns] buffers, and
+read a side with one free and one contracting dim (a matrix) either way round. XLA's
+`DotDecomposer` transposes any other operand into that order first: a copy of the whole operand,
+a kernel of its own (the `copy_bitcast_fusion`s and `transpose_copy_fusion`s of a profile). What
+counts is the order of the buffer under the jaxpr's transposes, which XLA folds into the dot.
+XLA computes a dot whose result is only read transposed so that the two operands' free dims
+swap with its operands swapped (no copy of the result), sorts the contracting dims by one
+side's order where that spares a copy, and has an element-wise fusion that writes an operand
+write it in the wanted order (no buffer of its own, the same strided pass). A convolution runs
+on an image laid out [batch, spatial..., feature] and a kernel [spatial..., in, out], and writes
+its result like the image: a weight gradient's convolution (batch and feature dims swapped)
+copies its image, its output gradient and its result.
 
-A convolution likewise runs on an image laid out [batch, spatial..., feature], a kernel
-[spatial..., in, out] and writes its result like the image: a weight gradient's convolution
-(batch and feature dims swapped) copies its image, its output gradient and its result.
-
-Counted on `make bench-costmodel`'s zoo, these rules find 44 copies (44 MiB) in the GPT step
-where XLA:CPU's HLO has 47 copy kernels outside parameter copies (49 MiB), MoE 52 (42 MiB)
-against 59 (49 MiB), transformers' GPT-2 34 (18 MiB) against 39 (26 MiB), Llama 40 against 33
-the equinox transformer 42 against 44, and Wide-ResNet 33 copies (4.9 MiB) against 25 (4.8 MiB).
+The memory model counts the dot copies' buffers (held to XLA's memory analysis to the byte in
+`tests/test_shard_parallel.py`), the roofline their time (`planner.roofline`). On the zoo of
+`make bench-costmodel` these rules find 35 copies in the GPT step, 40 in MoE's, 21 in
+transformers' GPT-2's and Llama's, 27 in the equinox transformer's and 33 in Wide-ResNet's,
+against 47, 59, 39, 33, 44 and 25 copy kernels in XLA:CPU's HLO besides parameter copies
+(among the rest: transposes of results that element-wise ops read, which the roofline prices as
+transposes). XLA:GPU's matmuls read strided operands and make about half as many.
 """
 
 from __future__ import annotations
@@ -28,12 +28,19 @@ import dataclasses
 from collections.abc import Sequence
 
 from autopar.planner.graph import OpGraph, OpNode, ValueRef
+from autopar.planner.groups import TRANSPARENT
+from autopar.planner.markers import PARAM_USE
+from autopar.planner.primitives import names_where
+
+_FUSED = names_where("fuses")  # element-wise: a loop fusion writes it
+_MARKERS = (PARAM_USE, *TRANSPARENT)  # their outputs are their operands
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OperandLayout:
-    """A dot operand as the dot reads it: the value behind the jaxpr's transposes (`source`), and
-    for each dim of the operand the dim of `source` it is (`order`)."""
+    """A contraction operand as the contraction reads it: the buffer behind the jaxpr's
+    transposes and parameter-use markers (`source`), and for each dim of the operand the dim of
+    `source` it is (`order`)."""
 
     source: ValueRef
     order: tuple[int, ...]
@@ -43,11 +50,14 @@ class OperandLayout:
 class LayoutCopy:
     """A copy XLA makes of operand `position` of a contraction (None: of its result, into the
     layout the jaxpr asks for): `source` laid out as `order` (dim i of the copy is dim order[i]
-    of `source`). `strided` when the minor dim moves."""
+    of `source`). `strided` when the minor dim moves. Where an element-wise fusion writes the
+    operand (`written_by_fusion`), XLA has the fusion write it in that layout instead: no buffer
+    of its own, but the same strided pass."""
 
     position: int | None
     source: ValueRef | None
     order: tuple[int, ...]
+    written_by_fusion: bool = False
 
     @property
     def strided(self) -> bool:
@@ -55,14 +65,18 @@ class LayoutCopy:
 
 
 def operand_layout(graph: OpGraph, ref: ValueRef, rank: int) -> OperandLayout:
-    """What a dot reading `ref` reads once XLA folds the transposes that produce it."""
+    """What a contraction reading `ref` reads once XLA folds the transposes that produce it
+    (markers pass their operands through)."""
     order = tuple(range(rank))
-    producer = graph.producer(ref)
-    while producer is not None and producer.primitive == "transpose":
-        permutation = producer.params["permutation"]
-        order = tuple(permutation[d] for d in order)
-        ref = producer.inputs[0]
-        producer = graph.producer(ref)
+    while (producer := graph.producer(ref)) is not None:
+        if producer.primitive == "transpose":
+            permutation = producer.params["permutation"]
+            order = tuple(permutation[d] for d in order)
+            ref = producer.inputs[0]
+        elif producer.primitive in _MARKERS:
+            ref = producer.inputs[ref.index]
+        else:
+            break
     return OperandLayout(ref, order)
 
 
@@ -89,19 +103,6 @@ def _result_swapped(graph: OpGraph, node: OpNode) -> bool:
     return reader.primitive == "transpose" and swaps_free_dims(node, reader.params["permutation"])
 
 
-def _dims(node: OpNode, position: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(contracting dims, batch dims) of operand `position` of dot `node`."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = node.params["dimension_numbers"]
-    return (tuple(lhs_c), tuple(lhs_b)) if position == 0 else (tuple(rhs_c), tuple(rhs_b))
-
-
-def _canonical(batch: Sequence[int], contracting: Sequence[int], rank: int) -> bool:
-    """Batch dims leading in order, at most one contracting and one free dim."""
-    return tuple(batch) == tuple(range(len(batch))) and len(contracting) <= 1 >= (
-        rank - len(batch) - len(contracting)
-    )
-
-
 def layout_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
     """What XLA copies into another layout around contraction `node` (see the module
     docstring): operands of a dot_general or a convolution, and a convolution's result."""
@@ -112,6 +113,13 @@ def layout_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
     return _dot_copies(graph, node)
 
 
+def _copy(graph: OpGraph, position: int | None, layout: OperandLayout, wanted) -> LayoutCopy:
+    """The copy of operand `position`, read as `layout`, into the operand dims order `wanted`."""
+    producer = graph.producer(layout.source)
+    fused = producer is not None and producer.primitive in _FUSED
+    return LayoutCopy(position, layout.source, tuple(layout.order[d] for d in wanted), fused)
+
+
 def _conv_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
     """A convolution runs on an image laid out [batch, spatial..., feature], a kernel
     [spatial..., in, out] and a result like the image (XLA's convolution canonicalization);
@@ -119,16 +127,14 @@ def _conv_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
     input gradient's flipped kernel), and so is a result asked for in another layout."""
     lhs_spec, rhs_spec, out_spec = node.params["dimension_numbers"]
     copies = []
-    for position, (spec, canonical) in enumerate(
-        (
-            (lhs_spec, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1])),
-            (rhs_spec, (*rhs_spec[2:], *rhs_spec[1::-1])),
-        )
-    ):
-        layout = operand_layout(graph, node.inputs[position], len(spec))
-        wanted = tuple(layout.order[d] for d in canonical)
-        if wanted != tuple(range(len(spec))):
-            copies.append(LayoutCopy(position, layout.source, wanted))
+    wanted_layouts = (
+        (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]),
+        (*rhs_spec[2:], *rhs_spec[1::-1]),
+    )
+    for position, wanted in enumerate(wanted_layouts):
+        layout = operand_layout(graph, node.inputs[position], len(wanted))
+        if tuple(layout.order[d] for d in wanted) != tuple(range(len(wanted))):
+            copies.append(_copy(graph, position, layout, wanted))
     result = (out_spec[0], *out_spec[2:], out_spec[1])  # where the conv writes each dim
     if result != tuple(range(len(out_spec))):
         copies.append(LayoutCopy(None, None, tuple(result.index(d) for d in range(len(result)))))
@@ -136,32 +142,28 @@ def _conv_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
 
 
 def _dot_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
-    """The operands of dot_general `node` that XLA copies into plain matrices."""
+    """The operands of dot_general `node` that XLA copies into matmul order first."""
+    (contracting, batch) = node.params["dimension_numbers"]
     layouts = [
         operand_layout(graph, ref, len(aval.shape))
         for ref, aval in zip(node.inputs, node.in_avals, strict=True)
     ]
-    dims = [_dims(node, p) for p in (0, 1)]
-    # in each source's own dims: contracting and batch dims
-    contracting = [
-        tuple(lay.order[d] for d in c) for lay, (c, _) in zip(layouts, dims, strict=True)
-    ]
-    batch = [tuple(lay.order[d] for d in b) for lay, (_, b) in zip(layouts, dims, strict=True)]
-    ranks = [len(lay.order) for lay in layouts]
-    if all(map(_canonical, batch, contracting, ranks)):
-        return ()
     lhs, rhs = (1, 0) if _result_swapped(graph, node) else (0, 1)
     best: tuple[LayoutCopy, ...] | None = None
     pairs = range(len(contracting[0]))
-    for by in (lhs, rhs):  # XLA sorts the contracting pairs by one side's dims
-        order = sorted(pairs, key=lambda i, by=by: contracting[by][i])
+    for by in (lhs, rhs):  # XLA sorts the contracting pairs by one side's buffer order
+        pair_order = sorted(pairs, key=lambda i, by=by: layouts[by].order[contracting[by][i]])
         copies = []
-        for p, free_first in ((lhs, True), (rhs, False)):
-            c = tuple(contracting[p][i] for i in order)
-            free = tuple(d for d in range(ranks[p]) if d not in c and d not in batch[p])
-            wanted = batch[p] + (free + c if free_first else c + free)
-            if wanted != tuple(range(ranks[p])):
-                copies.append(LayoutCopy(p, layouts[p].source, wanted))
+        for side, rows_first in ((lhs, True), (rhs, False)):
+            b, rank = list(batch[side]), len(layouts[side].order)
+            c = [contracting[side][i] for i in pair_order]
+            free = [d for d in range(rank) if d not in b and d not in c]
+            matmul = [b + free + c] if rows_first else [b + c + free]
+            if len(free) == 1 and len(c) == 1:  # a matrix: the library reads it transposed
+                matmul.append(b + c + free if rows_first else b + free + c)
+            stored = sorted(range(rank), key=layouts[side].order.__getitem__)
+            if stored not in matmul:
+                copies.append(_copy(graph, side, layouts[side], matmul[0]))
         if best is None or len(copies) < len(best):
             best = tuple(copies)
     return best or ()

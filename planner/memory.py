@@ -12,7 +12,7 @@ readers unless the op, or what fuses into it, is expensive (`_EXPENSIVE`, XLA's 
 An op that only relabels its operand's buffer (`_ALIASES`) extends that buffer's life instead.
 An element-wise fusion writes its result over an operand of the same shape that dies there.
 On the CPU backend, a dot operand not laid out the way its matmul reads it is first copied
-(`_copied_dot_operands`).
+(`planner.dot_layout`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from autopar.planner.cost import LogicalMesh, spec_bytes_per_device
+from autopar.planner.dot_layout import layout_copies
 from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value, input_value
 from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
@@ -190,7 +191,9 @@ def liveness(
             (value, step_of[n.id], step_of[n.id])
             for n in nodes
             if n.primitive == "dot_general"
-            for value in _copied_dot_operands(grouping, n)
+            for copy in layout_copies(graph, n)
+            if not copy.written_by_fusion
+            and (value := grouping.value_of(n.inputs[copy.position])) is not None
         ]
     extra_outputs = tuple(
         v
@@ -264,45 +267,6 @@ def whole_accumulator_bytes(
     over `axes`) once per step, after the last micro-batch, instead of per micro-batch."""
     whole = spec_bytes_per_device(aval.shape, aval.dtype.itemsize, without_axes(spec, axes), mesh)
     return whole - spec_bytes_per_device(aval.shape, aval.dtype.itemsize, spec, mesh)
-
-
-def _copied_dot_operands(grouping: Grouping, node: OpNode) -> list[Value]:
-    """The operands of a dot that XLA's CPU backend copies into matmul order first.
-
-    Its dot emitter multiplies [batch, rows, contracting] by [batch, contracting, columns]
-    buffers, or a plain 2-D matrix in either order (a transposed GEMM). Any other operand is
-    transposed into a new buffer of its full size, unless a fusion writes it (then in the order
-    the dot wants). Transposes fold into the dot, so the order that counts is the buffer's.
-    """
-    (contract, batch) = node.params["dimension_numbers"]
-    copied = []
-    for side, ref in enumerate(node.inputs):
-        value = grouping.value_of(ref)
-        if value is None:
-            continue
-        order = list(range(len(node.in_avals[side].shape)))  # buffer position of each dim
-        while value[0] is not None and (producer := grouping.graph.node(value[0])).primitive in (
-            "transpose",
-            "autopar_param_use",
-        ):
-            if producer.primitive == "transpose":
-                order = [producer.params["permutation"][d] for d in order]
-            value = grouping.value_of(producer.inputs[0])
-            if value is None:
-                break
-        if value is None or (
-            value[0] is not None and grouping.graph.node(value[0]).primitive in _FUSED
-        ):
-            continue
-        b, c = list(batch[side]), list(contract[side])
-        free = [d for d in range(len(order)) if d not in b and d not in c]
-        stored = sorted(range(len(order)), key=order.__getitem__)  # dims in buffer order
-        matmul = [b + free + c] if side == 0 else [b + c + free]
-        if len(free) == 1 and len(c) == 1:
-            matmul.append(b + c + free if side == 0 else b + free + c)
-        if stored not in matmul:
-            copied.append(grouping.value_of(ref))
-    return copied
 
 
 def value_aval(grouping: Grouping, value: Value) -> TensorInfo:
