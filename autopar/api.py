@@ -25,6 +25,7 @@ from autopar.planner.explain import Explanation, PlanningContext, explain_plan
 from autopar.planner.pipeline import StepParts, split_step
 from autopar.planner.plan import MeshPlan, Plan
 from autopar.planner.program import Program
+from autopar.planner.progress import phase
 from autopar.planner.schedules import PipelineSchedule
 from autopar.remat import RematTrace
 from autopar.runtime.executable import Executable
@@ -155,16 +156,17 @@ def trace_for_method(
     """
     static, batch, donate = argnums
     layers = method.layer_option
-    return trace_step(
-        fun,
-        args,
-        static_argnums=static,
-        batch_argnums=batch,
-        donate_argnums=donate,
-        regather_params=method.regather_params and remat is None,
-        num_micro_batches=method.num_micro_batches or 1,
-        layer_option=remat or layers,
-    )
+    with phase(f"tracing {getattr(fun, '__name__', 'the step')}"):
+        return trace_step(
+            fun,
+            args,
+            static_argnums=static,
+            batch_argnums=batch,
+            donate_argnums=donate,
+            regather_params=method.regather_params and remat is None,
+            num_micro_batches=method.num_micro_batches or 1,
+            layer_option=remat or layers,
+        )
 
 
 def _shape_key(x: Any) -> tuple:

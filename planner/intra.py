@@ -75,6 +75,7 @@ from autopar.planner.plan import (
     replicated,
 )
 from autopar.planner.program import Program, StepSignature
+from autopar.planner.progress import phase
 from autopar.planner.roofline import Roofline, fresh_memory_s, launch_s
 from autopar.planner.strategy import Strategy, split_size, storage_specs, without_axes
 from autopar.planner.summary import format_bytes
@@ -676,9 +677,10 @@ def plan_shard_parallel(
     num_micro_batches: int,
 ) -> Plan:
     """The ILP plan of `program` on `mesh_plan` (1D or 2D) for `cluster`'s costs."""
-    problem = ShardingProblem(program, mesh_plan, cluster, config, num_micro_batches)
-    budget = config.budget(cluster)
-    plan = problem.solve(budget)
+    with phase(f"sharding ILP on mesh {mesh_plan.shape}"):
+        problem = ShardingProblem(program, mesh_plan, cluster, config, num_micro_batches)
+        budget = config.budget(cluster)
+        plan = problem.solve(budget)
     if plan is None:
         raise problem.over_budget(budget)
     return plan

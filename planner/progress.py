@@ -1,13 +1,16 @@
 """Progress bars for planning phases that take more than a few seconds (layer ILPs, stage
-plans, profiled stages): on stderr, shown when it is a terminal; `AUTOPAR_PROGRESS=0` turns
+plans, profiled stages), and the seconds spent so far in a phase that is one long call (tracing
+a step, a single-mesh ILP): on stderr, shown when it is a terminal; `AUTOPAR_PROGRESS=0` turns
 them off and `AUTOPAR_PROGRESS=1` on. tqdm is imported only when a bar is shown, so the planner
 imports without it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,6 +33,32 @@ def progress(
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def phase(desc: str, refresh_s: float = 0.5) -> Iterator[None]:
+    """While the block runs, `desc` and the seconds spent in it, refreshed every `refresh_s`
+    when bars are `enabled`: a phase with nothing to count still shows it is alive."""
+    if not enabled():
+        yield
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, bar_format="{desc}: {elapsed}", leave=False, file=sys.stderr)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(refresh_s):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name=f"autopar progress: {desc}", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
 
 
 def progress_bar(*, desc: str, unit: str = "it") -> Any:
