@@ -105,17 +105,17 @@ def _transposed_lhs(node: OpNode) -> bool:
     return any(d != len(node.in_avals[0].shape) - 1 for d in lhs_contracting)
 
 
-def node_peak(node: OpNode, flops: float, cluster: ClusterSpec, decomposed: bool = False) -> float:
+def node_peak(node: OpNode, flops: float, cluster: ClusterSpec, lhs_copied: bool = False) -> float:
     """The FLOP/s peak `node` runs at doing `flops` per device: its operands' dtype for a
     contraction (TF32 for fp32 at default precision) times the share a matmul of its size
-    reaches, its output's otherwise. A `decomposed` dot has its operands copied into plain
-    matrices first (`planner.dot_layout`), so its lhs is never read transposed."""
+    reaches, its output's otherwise. A dot whose lhs is copied into a plain matrix first
+    (`planner.dot_layout`) does not read it transposed."""
     if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
         return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
         peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
         peak *= cluster.matmul_fraction(flops)
-        transposed = _transposed_lhs(node) and not decomposed
+        transposed = _transposed_lhs(node) and not lhs_copied
         if cluster.transposed_matmul_flops is not None and transposed:
             return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)
         return peak
@@ -223,11 +223,11 @@ class Roofline:
 
     def layout_copies(self, node: OpNode) -> tuple[tuple[LayoutCopy, ...], bool]:
         """(the layout copies around contraction `node` that it pays for, whether XLA copies
-        any of its operands): on a CPU, XLA copies a contraction's operands into the layout its
-        library kernel reads where they are not laid out so, and a convolution's result into
-        the layout the jaxpr asks for (`planner.dot_layout`); a value copied into one layout
-        for several contractions is copied once, paid by the first. XLA:GPU's matmuls read
-        strided operands, so a GPU pays none."""
+        its lhs): on a CPU, XLA copies a contraction's operands into the layout its library
+        kernel reads where they are not laid out so, and a convolution's result into the layout
+        the jaxpr asks for (`planner.dot_layout`); a value copied into one layout for several
+        contractions is copied once, paid by the first. XLA:GPU's matmuls read strided
+        operands, so a GPU pays none."""
         if self.cluster.platform != "cpu" or node.primitive not in _CONTRACTIONS:
             return (), False
         if self._copies is None:
@@ -241,12 +241,12 @@ class Roofline:
             copies = layout_copies(graph, node)
             paid = []
             for copy in copies:
-                key = (node.id if copy.source is None else self.grouping.value_of(copy.source),)
-                if key + copy.order not in seen:
-                    seen.add(key + copy.order)
+                source = node.id if copy.source is None else self.grouping.value_of(copy.source)
+                if (source, copy.order) not in seen:
+                    seen.add((source, copy.order))
                     paid.append(copy)
             if copies:
-                found[node.id] = (tuple(paid), any(c.position is not None for c in copies))
+                found[node.id] = (tuple(paid), any(c.position == 0 for c in copies))
         return found
 
     def num_kernels(self, nodes: Iterable[OpNode]) -> int:
@@ -269,8 +269,8 @@ class Roofline:
         reads, writes, launches = self.traffic(node)
         nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
         nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
-        copies, decomposed = self.layout_copies(node)
-        peak = node_peak(node, flops, self.cluster, decomposed)
+        copies, lhs_copied = self.layout_copies(node)
+        peak = node_peak(node, flops, self.cluster, lhs_copied)
         seconds = op_time(flops, nbytes, peak, self.cluster)
         if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
             # flops counts one per element (`planner.graph.elementwise_flops`)
