@@ -17,9 +17,10 @@ The memory model counts the dot copies' buffers (held to XLA's memory analysis t
 `tests/test_shard_parallel.py`), the roofline their time (`planner.roofline`). On the zoo of
 `make bench-costmodel` these rules find 35 copies in the GPT step, 40 in MoE's, 21 in
 transformers' GPT-2's and Llama's, 27 in the equinox transformer's and 33 in Wide-ResNet's,
-against 47, 59, 39, 33, 44 and 25 copy kernels in XLA:CPU's HLO besides parameter copies
-(among the rest: transposes of results that element-wise ops read, which the roofline prices as
-transposes). XLA:GPU's matmuls read strided operands and make about half as many.
+against 47, 59, 39, 33, 44 and 25 copy and transpose fusions in XLA:CPU's HLO (plain copies,
+mostly of parameters, left out; among the rest: transposes of results that element-wise ops
+read, which the roofline prices as transposes). XLA:GPU's matmuls read strided operands and
+make about half as many.
 """
 
 from __future__ import annotations
