@@ -206,22 +206,25 @@ def truth_table(spec) -> list[Row]:
     on_cpu = jax.devices()[0].platform == "cpu"
     autopar.init("local", cluster_spec=spec)
     try:
-        models = []  # (name, parallelized step, its arguments, predicted)
+        models = []  # (name, parallelized step, predicted)
+        step_args = []  # each model's arguments, carried from round to round
         for name, build in _zoo():
             built = _built(build)
             if built is None:
                 continue
             step, args = built
             parallel = autopar.parallelize(step, batch_argnums=(len(args) - 1,))
-            predicted = parallel.get_plan(*args).predicted
-            models.append([name, parallel, parallel.preshard_dynamic_args(*args), predicted])
+            models.append((name, parallel, parallel.get_plan(*args).predicted))
+            step_args.append(parallel.preshard_dynamic_args(*args))
         measured = [float("inf")] * len(models)
         for _ in range(ROUNDS):
-            for i, model in enumerate(models):
-                seconds, model[2] = _time_steps(model[1], model[2])
+            for i, (_, parallel, _) in enumerate(models):
+                seconds, step_args[i] = _time_steps(parallel, step_args[i])
                 measured[i] = min(measured[i], seconds)
         rows = []
-        for (name, parallel, args, predicted), seconds in zip(models, measured, strict=True):
+        for (name, parallel, predicted), args, seconds in zip(
+            models, step_args, measured, strict=True
+        ):
             rows.append(
                 Row(
                     name,

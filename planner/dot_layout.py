@@ -40,8 +40,8 @@ _MARKERS = (PARAM_USE, *TRANSPARENT)  # their outputs are their operands
 @dataclasses.dataclass(frozen=True, slots=True)
 class OperandLayout:
     """A contraction operand as the contraction reads it: the buffer behind the jaxpr's
-    transposes and parameter-use markers (`source`), and for each dim of the operand the dim of
-    `source` it is (`order`)."""
+    transposes and markers (`source`), and for each dim of the operand the dim of `source` it
+    is (`order`)."""
 
     source: ValueRef
     order: tuple[int, ...]
@@ -114,7 +114,7 @@ def layout_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
     return _dot_copies(graph, node)
 
 
-def _copy(graph: OpGraph, position: int | None, layout: OperandLayout, wanted) -> LayoutCopy:
+def _copy(graph: OpGraph, position: int, layout: OperandLayout, wanted) -> LayoutCopy:
     """The copy of operand `position`, read as `layout`, into the operand dims order `wanted`."""
     producer = graph.producer(layout.source)
     fused = producer is not None and producer.primitive in _FUSED
