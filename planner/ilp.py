@@ -221,6 +221,7 @@ class MemoryModel:
 
     evaluate: Callable[[np.ndarray], np.ndarray]  # choice per class -> bytes per step
     coefficients: Callable[[int], tuple[dict[int, np.ndarray], float]]  # step -> per class, const
+    floor: float = 0.0  # bytes every choice holds at some step: a budget below it fits nothing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -457,6 +458,8 @@ class IntraOpIlp:
 
         Solving again with a budget no larger reuses the model and the cuts found so far."""
         start = time.perf_counter()
+        if budget_bytes < self.memory.floor:
+            return None  # no solve needed (and a cut loop might take long to find it out)
         if self._time is None or budget_bytes > self._budget:
             self._time, self._cuts = self._time_problem(), {}
         model, s = self._time

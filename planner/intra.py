@@ -10,11 +10,12 @@ reduce-scattered or, with micro-batches, reduced once per step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -345,30 +346,59 @@ class Stash:
 
 
 class _Memory:
-    """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`."""
+    """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`.
 
-    def __init__(self, problem: _Problem, stash: Stash | None) -> None:
+    With `depth` d, the program is one of d like layers of a pipeline stage: what each layer
+    holds all step long (its state arguments, its gradient accumulated over micro-batches, a
+    gradient's whole accumulator) adds up over the stage, so d - 1 other layers' worth counts
+    at every step, while temporaries come and go one layer at a time. `batch_inputs` are the
+    arguments that are not state."""
+
+    def __init__(
+        self,
+        problem: _Problem,
+        stash: Stash | None,
+        depth: int = 1,
+        batch_inputs: Collection[int] = (),
+    ) -> None:
         self.problem = problem
         self.num_forward = None if stash is None else stash.num_forward
-        groups = problem.grouping.groups
-        self.cls = np.array([g.cls for g in groups])
-        inputs = [_value_bytes(problem, input_value(g.leader)) for g in groups if g.is_input]
-        self.input_sizes = {g: sizes for g, _, sizes in inputs}
-        self.always = inputs + [_value_bytes(problem, v) for v in problem.live.outputs]
+        grouping = problem.grouping
+        self.cls = np.array([g.cls for g in grouping.groups])
+        inputs = [
+            (g.leader, _value_bytes(problem, input_value(g.leader)))
+            for g in grouping.groups
+            if g.is_input
+        ]
+        self.input_sizes = {g: sizes for _, (g, _, sizes) in inputs}
+        self.always = [found for _, found in inputs]
+        self.always += [_value_bytes(problem, v) for v in problem.live.outputs]
         if stash is not None and stash.copies:
-            held = held_values(problem.grouping, stash.num_forward)
+            held = held_values(grouping, stash.num_forward)
             self.always += [
                 (g, lv, stash.copies * sizes)
                 for g, lv, sizes in (_value_bytes(problem, v) for v in held)
             ]
+        accumulators = _whole_accumulators(problem)
         self.temps = (
             [
                 (*_value_bytes(problem, value), start, end)
                 for value, start, end in problem.live.temporaries
             ]
             + _unreduced_sums(problem)
-            + _whole_accumulators(problem)
+            + accumulators
         )
+        if depth > 1:
+            gradients = {  # the boundary's operands that are gradients (the rest pass through)
+                value
+                for boundary in nodes_by_primitive(grouping.graph, GRAD_BOUNDARY)
+                for ref, of in zip(boundary.inputs, boundary.params["grad_of"], strict=True)
+                if of >= 0 and (value := grouping.value_of(ref)) is not None
+            }
+            held_all_step = [found for i, found in inputs if i not in set(batch_inputs)]
+            held_all_step += [_value_bytes(problem, v) for v in sorted(gradients, key=str)]
+            held_all_step += [(g, lv, sizes) for g, lv, sizes, _, _ in accumulators]
+            self.always += [(g, lv, (depth - 1) * sizes) for g, lv, sizes in held_all_step]
 
     def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
         steps = self.problem.live.num_steps
@@ -380,6 +410,11 @@ class _Memory:
 
     def evaluate(self, class_choice: np.ndarray) -> np.ndarray:
         return self.evaluate_groups(class_choice[self.cls])
+
+    def floor(self) -> float:
+        """Bytes no choices hold less of at every step: each argument and output (and stashed
+        copy) at its least."""
+        return float(sum(sizes.min() for _, _, sizes in self.always))
 
     def coefficients(self, step: int) -> tuple[dict[int, np.ndarray], float]:
         per_class: dict[int, np.ndarray] = {}
@@ -489,7 +524,7 @@ class ShardingProblem:
             num_choices,
             costs,
             self.edges,
-            MemoryModel(self.memory.evaluate, self.memory.coefficients),
+            MemoryModel(self.memory.evaluate, self.memory.coefficients, self.memory.floor()),
             solver=config.solver,
             time_limit_s=config.time_limit_s,
             relative_gap=config.relative_gap,
@@ -497,6 +532,32 @@ class ShardingProblem:
         )
         self._least: tuple[np.ndarray, StagePlan, Predicted] | None = None
         self.build_seconds = time.perf_counter() - start
+
+    def stacked(self, depth: int, stash: Stash) -> ShardingProblem:
+        """This program as one of `depth` like layers of a pipeline stage: its ILP fits the
+        state the `depth` layers hold all step (`_Memory`), `stash`'s copies of its stashed
+        activations and its own temporaries within the budget, so it trades what adds up over
+        a stage's layers against time. Its plans' memory is the stack's; `solve` it with
+        `as_emitted=False`. Its ILP chooses which gradients to reduce once per step within the
+        stack's memory, so no pass adds more (`_scatter_once` counts one program's). Menus and
+        costs are shared with this problem, not rebuilt."""
+        memory = _Memory(self.problem, stash, depth, self.program.signature.batch_inputs)
+        stacked = copy.copy(self)
+        stacked.memory = memory
+        stacked.reduce_scatter_once = False
+        stacked.ilp = IntraOpIlp(
+            self.ilp.num_choices,
+            self.ilp.costs,
+            self.ilp.edges,
+            MemoryModel(memory.evaluate, memory.coefficients, memory.floor()),
+            solver=self.ilp.solver,
+            time_limit_s=self.ilp.time_limit_s,
+            relative_gap=self.ilp.relative_gap,
+            presolve=self.ilp.presolve,
+        )
+        stacked._least = None
+        stacked.build_seconds = 0.0
+        return stacked
 
     def solve(self, budget: float, as_emitted: bool = True) -> Plan | None:
         """The fastest plan within `budget` bytes per device; None if none fits. The ILP solves

@@ -6,13 +6,14 @@
    memory floor fits (`memory.whole_peak_bytes`; cost-model mode; data parallel over the first
    axis where the logical space forces the batch dim there, `stage_intra_config`): its
    predicted time per micro-batch, its state and its stashed activations, for its fastest
-   plan and, while a stage's last plan may not fit, plans squeezed into less memory
-   (alternatives). Layers
-   with the same structure (repeated transformer blocks) are planned once per mesh, and free
-   meshes that differ only in the order of equal axes once. A candidate stage costs the sum of
-   its layers' times, state and stashed activations plus the largest of their temporaries, one
-   alternative per squeeze level; ignoring resharding between layers of one stage and the
-   transfers between stages, as Alpa's DP does.
+   plan and, while a stage's last plan may not fit, squeezed plans that fit a stage of many
+   like layers with micro-batches in flight (alternatives, `StageShape`: what adds up over a
+   stage, not one layer's peak, is what they squeeze). Layers with the same structure
+   (repeated transformer blocks) are planned once per mesh, and free meshes that differ only
+   in the order of equal axes once. A candidate stage costs the sum of its layers' times,
+   state and stashed activations plus the largest of their temporaries, one alternative per
+   squeeze level; ignoring resharding between layers of one stage and the transfers between
+   stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
    per stage, the fastest alternative that fits with the micro-batches its schedule keeps in
    flight, priced by the schedule's step time; with several candidate schedules ("auto") the
@@ -77,9 +78,11 @@ from autopar.planner.summary import format_bytes
 logger = logging.getLogger(__name__)
 
 STAGE_AXES = ("x", "y")
-# A layer's next alternative plan must fit in this fraction of the previous one's peak memory.
-SQUEEZE = 0.6
-MAX_ALTERNATIVES = 3
+MAX_ALTERNATIVES = 3  # a layer's fastest plan and its squeezed ones (`StageShape`)
+# A squeezed plan fits a stack of like layers in this share of a stage's memory: a stage mixes
+# layers (the first and last hold the embeddings), and one whose stacks each fill it exactly
+# would fit none of the mixes.
+STACK_SHARE = 0.95
 # Candidate layers are planned to within this fraction of the optimal time (the chosen stages
 # are then planned exactly): a MIP proves the last fraction of a percent slowly, and the cost
 # model is not that precise.
@@ -213,20 +216,51 @@ class PipelineConfig:
         return 1 / self.num_virtual_stages if interleaves else 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class StageShape:
+    """A stage a squeezed layer plan is made for: `depth` like layers, each with `flight`
+    micro-batches of activations stashed. Its ILP fits all of their state and stashes, and one
+    layer's temporaries, in device memory (`ShardingProblem.stacked`): squeezing a layer's
+    peak alone would keep state that adds up over a deep stage's layers, and leave deep stages
+    without a plan that fits where one exists."""
+
+    depth: int
+    flight: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.flight < 1:
+            raise ValueError(f"StageShape needs depth and flight >= 1, got {self}")
+
+
+def stage_shapes(
+    num_layers: int, num_devices: int, mesh_devices: int, config: PipelineConfig
+) -> tuple[StageShape, ...]:
+    """The stages a layer's squeezed plans on a mesh of `mesh_devices` are made for, lightest
+    first: a balanced pipeline over all devices with meshes of that size has S of them, each
+    of about num_layers / S layers, the first holding the most micro-batches in flight; and
+    one halfway there (geometric means), for stages that need less than that."""
+    stages = max(1, min(num_layers, num_devices // mesh_devices))
+    depth = math.ceil(num_layers / stages)
+    flight = min(config.most_in_flight(stages - 1), config.num_micro_batches)
+    deepest = StageShape(depth, flight)
+    if stages == 1:  # the only stage on such a mesh holds every layer
+        return (deepest,)
+    halfway = StageShape(math.ceil(math.sqrt(depth)), math.ceil(math.sqrt(flight)))
+    shapes = dict.fromkeys(s for s in (halfway, deepest) if s != StageShape(1, 1))
+    return tuple(shapes)
+
+
 @dataclasses.dataclass
 class _LayerPlans:
-    """One layer's plans on one mesh kind so far: the fastest first, then squeezed ones. The
-    ILP is built on first use (by whichever thread plans it)."""
+    """One layer's plans on one mesh kind so far: the fastest first, then one per squeezed
+    `shapes`. The ILP is built on first use (by whichever thread plans it)."""
 
     stage: StageProgram
     mesh: MeshPlan
     build: Callable[[], ShardingProblem]
-    floor: float  # no plan needs less memory per device (`whole_peak_bytes`)
+    shapes: tuple[StageShape, ...]
     found: list[LayerCost]
-    budget: float
     exhausted: bool = False
-    last_peak: float = math.inf  # of the last plan found
-    halved: bool = False  # whether the budget was already moved halfway back after a failure
     _problem: ShardingProblem | None = None
 
     @property
@@ -277,13 +311,12 @@ class LayerCosts:
         self, layer: int, logical: tuple, levels: int = MAX_ALTERNATIVES
     ) -> tuple[LayerCost, ...]:
         """Layer `layer` alone on a logical mesh: its fastest plan within device memory, then
-        (up to `levels` in all) plans squeezed into at most SQUEEZE of the previous one's peak
-        (or, where nothing fits that, halfway between), until the ILP finds none (empty: the
-        layer never fits or cannot run there). Each is the ILP's plan within the budget by its
-        own memory model, priced at its memory as emitted (`ShardingProblem.solve`'s
-        `as_emitted=False`): a layer's plan is a candidate, and the chosen stages are planned
-        again within the budget as emitted. They depend on the mesh's axes, not on which
-        devices."""
+        (up to `levels` in all) plans squeezed to fit ever deeper stages of like layers
+        (`stage_shapes`), until the ILP finds none (empty: the layer never fits or cannot run
+        there). Each is the ILP's plan within the budget by its own memory model, priced at
+        its memory as emitted (`ShardingProblem.solve`'s `as_emitted=False`): a layer's plan is
+        a candidate, and the chosen stages are planned again within the budget as emitted.
+        They depend on the mesh's axes, not on which devices."""
         plans = self._layer_plans(layer, logical)
         if plans is None:
             return ()
@@ -310,7 +343,7 @@ class LayerCosts:
         """Plan the squeezed alternatives the DP will ask for among `candidates` (start, end,
         submesh, logical), a level at a time: a stage gets its next level only where its last
         one may still not fit (`_needs_tighter`). Within a level, each layer and mesh is one
-        task (its squeeze may take a second solve), all of them `workers` at a time."""
+        task, all of them `workers` at a time."""
         candidates = list(candidates)
         for level in range(1, MAX_ALTERNATIVES):
             pending = {
@@ -377,42 +410,57 @@ class LayerCosts:
                 presolve=CANDIDATE_PRESOLVE,
             )
             build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
-            self._plans[key] = _LayerPlans(stage, mesh, build, floor, [], self.device_memory)
+            shapes = stage_shapes(
+                self.parts.num_layers, self.num_devices, math.prod(logical), self.config
+            )
+            self._plans[key] = _LayerPlans(stage, mesh, build, shapes, [])
         return self._plans[key]
 
     def _squeeze(self, plans: _LayerPlans) -> None:
-        """Plan the layer once more, within the budget its last plan left (no ILP where that
-        is below the layer's floor)."""
+        """Plan the layer once more: its fastest plan within device memory first, then one for
+        its next stage shape (whose layers an interleaved schedule splits into chunks on the
+        same mesh, sharing its memory as one stage's would)."""
         start = time.perf_counter()
-        if plans.budget < plans.floor:
-            plan = None
+        level = len(plans.found)
+        if level > len(plans.shapes):
+            plans.exhausted = True
+            return
+        with self._count_lock:
+            self.ilp_solves += 1
+        if level == 0:
+            shape, problem, budget = StageShape(1, 1), plans.problem, self.device_memory
         else:
-            with self._count_lock:
-                self.ilp_solves += 1
-            plan = plans.problem.solve(plans.budget, as_emitted=False)
+            shape = plans.shapes[level - 1]
+            stash = Stash(plans.stage.num_forward, shape.depth * shape.flight - 1)
+            problem = plans.problem.stacked(shape.depth, stash)
+            budget = STACK_SHARE * self.device_memory
+        plan = problem.solve(budget, as_emitted=False)
+        excess = 0.0 if plan is None else plan.predicted.memory_per_device_bytes - budget
+        if level and excess > 0:  # the ILP does not see resharded copies: ask for less, once
+            plan = problem.solve(budget - excess, as_emitted=False)
         logger.debug(
-            "layers %s on mesh %s within %.3g GiB: %s in %.2f s",
+            "layers %s on mesh %s as 1 of %d with %d micro-batch(es) in flight, within %.3g "
+            "GiB: %s in %.2f s",
             plans.stage.layers,
             plans.mesh.shape,
-            plans.budget / 2**30,
+            shape.depth,
+            shape.flight,
+            budget / 2**30,
             "no plan" if plan is None else "a plan",
             time.perf_counter() - start,
         )
         if plan is None:
-            if plans.found and not plans.halved:  # nothing fits SQUEEZE of the last peak:
-                plans.budget = (plans.budget + plans.last_peak) / 2  # try halfway there once
-                plans.halved = True
-            else:
-                plans.exhausted = True
+            plans.exhausted = True
             return
         stash = stash_bytes(plans.stage, plan.stages[0])
         state = state_bytes(plans.stage, plan.stages[0])
-        peak = plan.predicted.memory_per_device_bytes
+        # the stack's peak less its layers' state and stashes: one layer's temporaries
+        temporary = plan.predicted.memory_per_device_bytes - shape.depth * state
+        temporary -= shape.depth * shape.flight * stash
         k = self.config.num_micro_batches
         plans.found.append(
-            LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, peak - state - stash))
+            LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, temporary))
         )
-        plans.budget, plans.last_peak, plans.halved = SQUEEZE * peak, peak, False
 
     def __call__(
         self, start: int, end: int, submesh: tuple, logical: tuple

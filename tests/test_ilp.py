@@ -109,3 +109,22 @@ def test_hidden_communication_still_costs_its_penalty(solver):
     choices = ilp.solve(np.inf).choices
     assert choices[0] == choices[1]
     assert _objective((0, 1), costs, [edge]) == pytest.approx(2e6 + OVERLAP_PENALTY * 0.5e6)
+
+
+def test_a_budget_under_the_memory_floor_is_answered_without_a_solve(monkeypatch):
+    """Where every choice holds more than the budget at some step (the memory model's floor),
+    `solve` says no plan without running a solver: a cut loop could take long to find out."""
+    num_choices, costs, edges, memory = _random_model(0)
+    least = min(
+        memory.evaluate(np.array(choices)).max()
+        for choices in itertools.product(*(range(n) for n in num_choices))
+    )
+    floored = MemoryModel(memory.evaluate, memory.coefficients, floor=float(least))
+    ilp = IntraOpIlp(num_choices, costs, edges, floored)
+    assert ilp.solve(least) is not None
+
+    def unexpected(*_):
+        raise AssertionError("solved under the floor")
+
+    monkeypatch.setattr(IntraOpIlp, "_solve", unexpected)
+    assert ilp.solve(least - 1.0) is None
