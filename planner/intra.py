@@ -395,7 +395,8 @@ class _Memory:
                 for ref, of in zip(boundary.inputs, boundary.params["grad_of"], strict=True)
                 if of >= 0 and (value := grouping.value_of(ref)) is not None
             }
-            held_all_step = [found for i, found in inputs if i not in set(batch_inputs)]
+            batch = set(batch_inputs)
+            held_all_step = [found for i, found in inputs if i not in batch]
             held_all_step += [_value_bytes(problem, v) for v in sorted(gradients, key=str)]
             held_all_step += [(g, lv, sizes) for g, lv, sizes, _, _ in accumulators]
             self.always += [(g, lv, (depth - 1) * sizes) for g, lv, sizes in held_all_step]
