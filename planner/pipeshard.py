@@ -241,11 +241,10 @@ def stage_shapes(
     one halfway there (geometric means), for stages that need less than that."""
     stages = max(1, min(num_layers, num_devices // mesh_devices))
     depth = math.ceil(num_layers / stages)
-    flight = min(config.most_in_flight(stages - 1), config.num_micro_batches)
-    deepest = StageShape(depth, flight)
+    deepest = StageShape(depth, config.most_in_flight(stages - 1))
     if stages == 1:  # the only stage on such a mesh holds every layer
         return (deepest,)
-    halfway = StageShape(math.ceil(math.sqrt(depth)), math.ceil(math.sqrt(flight)))
+    halfway = StageShape(math.ceil(math.sqrt(depth)), math.ceil(math.sqrt(deepest.flight)))
     shapes = dict.fromkeys(s for s in (halfway, deepest) if s != StageShape(1, 1))
     return tuple(shapes)
 
