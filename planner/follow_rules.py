@@ -58,8 +58,11 @@ def follow_elementwise(
     """
     out_shape = node.out_avals[0].shape
     in_shape = node.in_avals[operand].shape
-    if len(in_shape) != len(out_shape) or any(
-        entry and size != out for entry, size, out in zip(spec, in_shape, out_shape, strict=True)
+    if in_shape != out_shape and (
+        len(in_shape) != len(out_shape)
+        or any(
+            entry and size != o for entry, size, o in zip(spec, in_shape, out_shape, strict=True)
+        )
     ):
         return None
     in_specs = tuple(
@@ -71,6 +74,8 @@ def follow_elementwise(
 
 def _broadcast_view(spec: Spec, shape: Sequence[int], out_shape: Sequence[int]) -> Spec:
     """The part of output spec `spec` an operand of `shape` sees: unsplit where it broadcasts."""
+    if shape == out_shape:  # most operands: all of it (a hot path of building the menus)
+        return spec
     if len(shape) != len(out_shape):
         return replicated(len(shape))
     return tuple(e if s == o else None for e, s, o in zip(spec, shape, out_shape, strict=True))

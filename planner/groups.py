@@ -17,7 +17,7 @@ Identity markers that pass many values through (the gradient and layer boundarie
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from autopar.planner.graph import OpGraph, OpNode, ValueKind, ValueRef
 from autopar.planner.markers import GRAD_BOUNDARY, LAYER_BOUNDARY, PARAM_USE, PIPELINE_BOUNDARY
@@ -45,6 +45,8 @@ class Group:
     members: list[str] = dataclasses.field(default_factory=list)  # follower and leader node ids
     follows: dict[str, int] = dataclasses.field(default_factory=dict)
     cls: int = -1  # repeated-structure class (groups of one class share ILP variables)
+    # a hash of the group alone, equal for such groups in other programs (`assign_classes`)
+    structure: int | None = None
 
     @property
     def is_input(self) -> bool:
@@ -144,11 +146,12 @@ def _params_key(node: OpNode) -> tuple:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Signatures:
     """Weisfeiler-Lehman hashes: of every value, of every planned node, and each node's
-    operand values."""
+    operand values; and before any round (`local`: of each node and step input alone)."""
 
     value: dict[Value, int]
     node: dict[str, int]
     operands: dict[str, list[Value | None]]
+    local: dict[Value | str, int]
 
 
 def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) -> _Signatures:
@@ -172,6 +175,7 @@ def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) ->
         )
         for n in nodes
     }
+    local: dict[Value | str, int] = {**sig, **base}
     operands = {n.id: [grouping.value_of(r) for r in n.inputs] for n in nodes}
     readers: dict[Value, list[tuple[str, int]]] = {}
     for n in nodes:
@@ -198,7 +202,7 @@ def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) ->
         for i in range(len(graph.inputs)):
             v = input_value(i)
             sig[v] = hash((sig[v], tuple(sorted((node_sig[r], k) for r, k in readers.get(v, ())))))
-    return _Signatures(sig, node_sig, operands)
+    return _Signatures(sig, node_sig, operands, local)
 
 
 def structure_signature(
@@ -225,23 +229,39 @@ def structure_signature(
 
 def assign_classes(grouping: Grouping, input_roles: dict[int, str], rounds: int = 3) -> int:
     """Give each group a class; equal classes mean the same structure within `rounds` hops.
+    Its `structure` hashes the group alone (its members' ops, shapes and links, not their
+    neighbours): equal for such groups in other programs too, such as a layer planned alone and
+    in a stage of several, where the neighbourhoods at the layer's edges differ (within one
+    process).
 
     `input_roles` labels step inputs (e.g. "batch", "param"); inputs differ only by it and their
     aval. Returns the number of classes.
     """
     found = _signatures(grouping, input_roles, rounds)
-    sig, node_sig, operands = found.value, found.node, found.operands
     classes: dict[tuple, int] = {}
     for group in grouping.groups:
-        local = {m: j for j, m in enumerate(group.members)}
-        head = sig[input_value(group.leader)] if group.is_input else node_sig[group.leader]
-        structure = tuple(
-            (
-                node_sig[m],
-                group.follows.get(m, -1),
-                tuple(local.get(v[0], -1) if v is not None else -2 for v in operands[m]),
-            )
-            for m in group.members
-        )
-        group.cls = classes.setdefault((head, structure), len(classes))
+        key = _group_key(group, found.value, found.node, found.operands)
+        group.cls = classes.setdefault(key, len(classes))
+        group.structure = hash(_group_key(group, found.local, found.local, found.operands))
     return len(classes)
+
+
+def _group_key(
+    group: Group,
+    value_sig: Mapping[Value, int],
+    node_sig: Mapping[str, int],
+    operands: dict[str, list[Value | None]],
+) -> tuple:
+    """A group's head (its leader's or input's hash) and members (hashes, followed operands and
+    which members their operands come from)."""
+    local = {m: j for j, m in enumerate(group.members)}
+    head = value_sig[input_value(group.leader)] if group.is_input else node_sig[group.leader]
+    members = tuple(
+        (
+            node_sig[m],
+            group.follows.get(m, -1),
+            tuple(local.get(v[0], -1) if v is not None else -2 for v in operands[m]),
+        )
+        for m in group.members
+    )
+    return head, members

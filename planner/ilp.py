@@ -32,6 +32,7 @@ wall-clock `time_limit_s`: the best plan found by then depends on the machine's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -40,7 +41,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -258,6 +259,8 @@ class IntraOpIlp:
         self._time: tuple[_Model, list[np.ndarray]] | None = None  # the time model, its cuts
         self._cuts: dict[int, _Cut] = {}
         self._budget = np.inf
+        # whether the last solve found no plan for want of time (not proved to have none)
+        self.out_of_time = False
 
     # ------------------------------------------------------------------ model
 
@@ -333,12 +336,17 @@ class IntraOpIlp:
     # ------------------------------------------------------------------ solving
 
     def _solve_highs(
-        self, model: _Model, closed: Sequence[int], time_limit_s: float
+        self,
+        model: _Model,
+        closed: Sequence[int],
+        time_limit_s: float,
+        start: Mapping[int, float],
     ) -> tuple[_Status, np.ndarray | None]:
         """Solve with HiGHS on one thread, seed 0 (module docstring), with its presolve unless
-        `presolve` is off. In a thread whose HiGHS scheduler other code started with more
-        threads, HiGHS refuses one thread: there it solves with that scheduler, and the plan may
-        differ from other machines' (warned once per thread)."""
+        `presolve` is off, from the (partial) solution `start` (column -> value) where given.
+        In a thread whose HiGHS scheduler other code started with more threads, HiGHS refuses
+        one thread: there it solves with that scheduler, and the plan may differ from other
+        machines' (warned once per thread)."""
         import highspy
 
         lp, position = model.highs_lp(closed)
@@ -351,7 +359,8 @@ class IntraOpIlp:
         if self.relative_gap is not None:
             options["mip_rel_gap"] = self.relative_gap
         one_thread = not getattr(_HIGHS_STATE, "refuses_one_thread", False)
-        highs = _run_highs(lp, {**options, "threads": 1} if one_thread else options)
+        hint = (position[list(start)], list(start.values())) if start else None
+        highs = _run_highs(lp, {**options, "threads": 1} if one_thread else options, hint)
         if one_thread and highs.getModelStatus() == highspy.HighsModelStatus.kNotset:
             _HIGHS_STATE.refuses_one_thread = True
             logger.warning(
@@ -359,7 +368,7 @@ class IntraOpIlp:
                 "it with another thread count); solving on its threads, so plans may differ "
                 "from runs on other machines"
             )
-            highs = _run_highs(lp, options)
+            highs = _run_highs(lp, options, hint)
         status = _highs_statuses().get(highs.getModelStatus(), _Status.NO_SOLUTION)
         if status is _Status.FEASIBLE and not np.isfinite(highs.getInfo().objective_function_value):
             status = _Status.NO_SOLUTION
@@ -368,8 +377,13 @@ class IntraOpIlp:
         return status, np.asarray(highs.getSolution().col_value)[position]
 
     def _solve_cbc(
-        self, model: _Model, closed: Sequence[int], time_limit_s: float
+        self,
+        model: _Model,
+        closed: Sequence[int],
+        time_limit_s: float,
+        start: Mapping[int, float],
     ) -> tuple[_Status, np.ndarray | None]:
+        """Solve with CBC (PuLP's): without `start`, which its command line cannot take."""
         prob, variables = model.pulp_problem(closed)
         with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -385,11 +399,16 @@ class IntraOpIlp:
         return status, np.array([v.varValue or 0.0 for v in variables])
 
     def _solve(
-        self, model: _Model, closed: Sequence[int], time_limit_s: float
+        self,
+        model: _Model,
+        closed: Sequence[int],
+        time_limit_s: float,
+        start: Mapping[int, float],
     ) -> tuple[_Status, np.ndarray | None]:
-        """(status, column values) of one solve with the columns `closed` fixed at 0."""
+        """(status, column values) of one solve with the columns `closed` fixed at 0, from the
+        column values `start` where the solver takes one."""
         solve = self._solve_highs if self.solver == "highs" else self._solve_cbc
-        return solve(model, closed, time_limit_s)
+        return solve(model, closed, time_limit_s, start)
 
     def _cut_loop(
         self,
@@ -402,6 +421,7 @@ class IntraOpIlp:
         deadline: float | None = None,
         closed: Sequence[int] = (),
         peak: int | None = None,
+        start: Mapping[int, float] | None = None,
     ):
         """Solve, adding memory cuts (into `cut`, by step) at the worst steps until `fits`
         (choices, memory per step, column values); None if infeasible.
@@ -421,9 +441,9 @@ class IntraOpIlp:
         for rounds in itertools.count(1):
             late = self.time_limit_s * _LATE_ROUND_SHARE
             began = time.perf_counter()
-            status, values = self._solve(model, closed, max(deadline - began, late))
+            status, values = self._solve(model, closed, max(deadline - began, late), start or {})
             if status is _Status.NO_SOLUTION:  # out of time before any plan
-                status, values = self._solve(model, closed, self.time_limit_s)
+                status, values = self._solve(model, closed, self.time_limit_s, start or {})
             logger.debug(
                 "memory-cut round %d (%d cuts): %s in %.2f s",
                 rounds,
@@ -431,6 +451,7 @@ class IntraOpIlp:
                 status.value,
                 time.perf_counter() - began,
             )
+            self.out_of_time = status is _Status.NO_SOLUTION
             if values is None:
                 return None
             choices = np.array([int(np.argmax(values[cols])) for cols in s])
@@ -451,13 +472,18 @@ class IntraOpIlp:
         budget_bytes: float,
         deadline: float | None = None,
         forbidden: Mapping[int, Sequence[int]] | None = None,
+        start: Mapping[int, int] | None = None,
     ) -> Solution | None:
         """The least-time choices whose memory fits `budget_bytes` per device; None if none do.
         Its rounds share the time until `deadline` (`time.perf_counter()`; default: the time
-        limit from now). `forbidden[c]`: choices of class c left out of this solve.
+        limit from now). `forbidden[c]`: choices of class c left out of this solve. `start[c]`:
+        a choice of class c for the solver to start from (HiGHS), the other classes' first
+        solved with those fixed: a solve that stops at its time limit is then no worse than a
+        start that fits.
 
         Solving again with a budget no larger reuses the model and the cuts found so far."""
-        start = time.perf_counter()
+        began = time.perf_counter()
+        self.out_of_time = False
         if budget_bytes < self.memory.floor:
             return None  # no solve needed (and a cut loop might take long to find it out)
         if self._time is None or budget_bytes > self._budget:
@@ -466,18 +492,18 @@ class IntraOpIlp:
         for memory_cut in self._cuts.values():  # the same cuts, at the new bound
             model.row_upper[memory_cut.row] = budget_bytes / _MIB - memory_cut.const
         self._budget = budget_bytes
+        deadline = began + self.time_limit_s if deadline is None else deadline
         closed = [int(s[c][k]) for c, ks in (forbidden or {}).items() for k in ks]
+        hint: dict[int, float] = {}
+        if start and self.solver == "highs":
+            if len(start) < len(s):  # the other classes' choices, with the started ones fixed
+                fixed = [int(c) for k, (j, c) in _start_columns(s, start) if j != k]
+                with contextlib.suppress(_CutsDidNotSettle):
+                    completed = self._budgeted(model, s, budget_bytes, deadline, closed + fixed, {})
+                    start = {} if completed is None else dict(enumerate(completed[0]))
+            hint = {int(c): float(j == k) for k, (j, c) in _start_columns(s, start)}
         try:
-            result = self._cut_loop(
-                model,
-                s,
-                lambda _, per_step, __: per_step.max() <= budget_bytes,
-                budget_bytes / _MIB,
-                self._cuts,
-                escalate=False,
-                deadline=deadline,
-                closed=closed,
-            )
+            result = self._budgeted(model, s, budget_bytes, deadline, closed, hint)
         except _CutsDidNotSettle:
             least = self.least_memory()
             raise MemoryBudgetError(
@@ -494,7 +520,29 @@ class IntraOpIlp:
         choices, optimal, rounds = result
         if not optimal:  # the caller warns where the plan is one a user gets
             logger.debug("the sharding ILP hit its time limit (%.3g s)", self.time_limit_s)
-        return Solution(choices, optimal, time.perf_counter() - start, rounds)
+        return Solution(choices, optimal, time.perf_counter() - began, rounds)
+
+    def _budgeted(
+        self,
+        model: _Model,
+        s,
+        budget_bytes: float,
+        deadline: float,
+        closed: Sequence[int],
+        start: Mapping[int, float],
+    ):
+        """The cut loop of `solve` within `budget_bytes`, its cuts kept for later solves."""
+        return self._cut_loop(
+            model,
+            s,
+            lambda _, per_step, __: per_step.max() <= budget_bytes,
+            budget_bytes / _MIB,
+            self._cuts,
+            escalate=False,
+            deadline=deadline,
+            closed=closed,
+            start=start,
+        )
 
     def least_memory(self) -> float:
         """The least peak memory per device over all choices (bytes), ignoring step time."""
@@ -527,6 +575,15 @@ class _Cut:
     const: float
 
 
+def _start_columns(
+    s: Sequence[np.ndarray], start: Mapping[int, int]
+) -> Iterator[tuple[int, tuple[int, int]]]:
+    """(started choice, (choice, column)) for every choice column of each started class."""
+    for c, k in start.items():
+        for choice_column in enumerate(s[c]):
+            yield k, choice_column
+
+
 def _joined(terms: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """(columns, coefficients) of (columns, coefficients) pairs, concatenated."""
     if not terms:
@@ -537,13 +594,19 @@ def _joined(terms: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray,
     )
 
 
-def _run_highs(lp: Any, options: Mapping[str, Any]) -> Any:
+def _run_highs(
+    lp: Any, options: Mapping[str, Any], start: tuple[np.ndarray, Sequence[float]] | None
+) -> Any:
+    """HiGHS run on `lp`, from the partial solution `start` (positions, values) where given."""
     import highspy
 
     highs = highspy.Highs()
     for name, value in options.items():
         highs.setOptionValue(name, value)
     highs.passModel(lp)
+    if start is not None:
+        positions, values = start
+        highs.setSolution(len(positions), np.asarray(positions, np.int32), np.asarray(values))
     highs.run()
     return highs
 

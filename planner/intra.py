@@ -9,13 +9,15 @@ reduce-scattered or, with micro-batches, reduced once per step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import functools
 import logging
+import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -496,6 +498,19 @@ def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuil
     return edges
 
 
+StructureStrategies = Mapping[int, tuple[Strategy, ...]]
+"""A plan's strategies per group structure (`Group.structure`): a start for the ILP of a program
+with groups of the same structures (`ShardingProblem.start_from`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A candidate's plan (`ShardingProblem.candidate`) and its strategies by group structure."""
+
+    plan: Plan
+    strategies: StructureStrategies
+
+
 class ShardingProblem:
     """One program on one mesh with its menus, costs and ILP built once: `solve` plans it for a
     memory budget, and solving again under a tighter budget reuses the ILP's memory cuts.
@@ -538,8 +553,8 @@ class ShardingProblem:
         """This program as one of `depth` like layers of a pipeline stage: its ILP fits the
         state the `depth` layers hold all step (`_Memory`), `stash`'s copies of its stashed
         activations and its own temporaries within the budget, so it trades what adds up over
-        a stage's layers against time. Its plans' memory is the stack's; `solve` it with
-        `as_emitted=False`. Its ILP chooses which gradients to reduce once per step within the
+        a stage's layers against time. Its plans' memory is the stack's; plan it as a
+        `candidate`. Its ILP chooses which gradients to reduce once per step within the
         stack's memory, so no pass adds more (`_scatter_once` counts one program's). Menus and
         costs are shared with this problem, not rebuilt."""
         memory = _Memory(self.problem, stash, depth, self.program.signature.batch_inputs)
@@ -560,26 +575,79 @@ class ShardingProblem:
         stacked.build_seconds = 0.0
         return stacked
 
-    def solve(self, budget: float, as_emitted: bool = True) -> Plan | None:
-        """The fastest plan within `budget` bytes per device; None if none fits. The ILP solves
-        of its budget corrections share one time limit.
-
-        With `as_emitted` False, the ILP's fastest plan within `budget` by its own memory
-        model, whatever its resharded copies add (the plan's prediction counts them): a
-        candidate to price, such as a pipeline layer, skips the corrections' extra solves. A
-        candidate's ILP may stop at its time limit by design, so only a plan solved as emitted
-        warns when it does."""
-        start = time.perf_counter()
-        program, problem = self.program, self.problem
-        deadline = start + self.ilp.time_limit_s
-        if as_emitted:
-            found = self._fitting_plan(budget, deadline)
-        else:
-            found = self._emitted(budget, deadline, None)
+    def solve(self, budget: float, start: Mapping[int, int] | None = None) -> Plan | None:
+        """The fastest plan within `budget` bytes per device as emitted; None if none fits.
+        The ILP solves of its budget corrections share one time limit. `start`: a choice per
+        class for the ILP to start from (`start_from`)."""
+        began = time.perf_counter()
+        found = self._fitting_plan(budget, began + self.ilp.time_limit_s, start)
         if found is None:
             return None
-        solution, choice, stage, predicted = found
-        if as_emitted and solution is not None and not solution.optimal:
+        return self._plan(*found, budget, began, warn=True)
+
+    def candidate(self, budget: float, correct: bool = False) -> Candidate | None:
+        """A candidate to price, such as a pipeline layer: the ILP's fastest plan within
+        `budget` by its own memory model, whatever its resharded copies add (the plan's
+        prediction counts them), so no corrections' extra solves; None where none fits. With
+        `correct`, one whose copies take it over `budget` is asked for less by its excess,
+        once. Where the ILP finds none in its time limit, or none when asked for less, the
+        plan of least memory stands in if it fits: a layer that fits must not drop out of a
+        stage search because its ILP ran out of time. Its ILP may stop at the time limit by
+        design, so it does not warn when it does."""
+        began = time.perf_counter()
+        found = self._emitted(budget, began + self.ilp.time_limit_s, None)
+        excess = -math.inf if found is None else found[3].memory_per_device_bytes - budget
+        if correct and excess > 0:
+            deadline = time.perf_counter() + self.ilp.time_limit_s
+            found = self._emitted(budget - excess, deadline, None)
+        if found is None:
+            if excess <= 0 and not self.ilp.out_of_time:
+                return None  # the ILP proved none fits (its memory is a lower bound)
+            found = (None, *self._least_memory_plan())
+            if found[3].memory_per_device_bytes > budget:
+                return None
+        plan = self._plan(*found, budget, began, warn=False)
+        return Candidate(plan, self._structure_strategies(found[1]))
+
+    def start_from(self, chosen: Sequence[StructureStrategies]) -> dict[int, int]:
+        """Per class, the menu choice of the strategies that plans of programs with groups of
+        the same structure (`Candidate.strategies`, such as a stage's layers planned alone)
+        chose for it, the most common where they differ: a start for `solve`."""
+        start: dict[int, int] = {}
+        for group in self.problem.grouping.groups:
+            if group.cls in start or group.structure is None:
+                continue
+            votes = collections.Counter(c[group.structure] for c in chosen if group.structure in c)
+            menu = self.problem.builder.menu(group).strategies
+            for strategies, _ in votes.most_common():
+                if strategies in menu:
+                    start[group.cls] = menu.index(strategies)
+                    break
+        return start
+
+    def _structure_strategies(self, choice: np.ndarray) -> StructureStrategies:
+        """The strategies of `choice` (per group) by group structure."""
+        found: dict[int, tuple[Strategy, ...]] = {}
+        for group in self.problem.grouping.groups:
+            if group.structure is not None and group.structure not in found:
+                menu = self.problem.builder.menu(group)
+                found[group.structure] = menu.strategies[choice[group.index]]
+        return found
+
+    def _plan(
+        self,
+        solution: Solution | None,
+        choice: np.ndarray,
+        stage: StagePlan,
+        predicted: Predicted,
+        budget: float,
+        start: float,
+        warn: bool,
+    ) -> Plan:
+        """The plan of `choice` within `budget` (`solution` None: the least-memory plan), its
+        ILP solved since `start`; `warn`: say where the ILP stopped at its time limit."""
+        program, problem = self.program, self.problem
+        if warn and solution is not None and not solution.optimal:
             logger.warning(
                 "the sharding ILP hit its time limit (%.3g s); using the best plan found, which "
                 "may not be optimal (raise AutoShardingOption.time_limit_s)",
@@ -620,11 +688,15 @@ class ShardingProblem:
         )
 
     def _emitted(
-        self, target: float, deadline: float, forbidden: dict[int, list[int]] | None
+        self,
+        target: float,
+        deadline: float,
+        forbidden: dict[int, list[int]] | None,
+        start: Mapping[int, int] | None = None,
     ) -> tuple[Solution, np.ndarray, StagePlan, Predicted] | None:
         """The ILP's fastest choices within `target` and their plan as emitted (None: no
         choices fit `target`)."""
-        solution = self.ilp.solve(target, deadline, forbidden)
+        solution = self.ilp.solve(target, deadline, forbidden, start)
         if solution is None:
             return None
         choice = solution.choices[self.memory.cls]
@@ -632,7 +704,7 @@ class ShardingProblem:
         return solution, choice, stage, predicted
 
     def _fitting_plan(
-        self, budget: float, deadline: float
+        self, budget: float, deadline: float, start: Mapping[int, int] | None
     ) -> tuple[Solution | None, np.ndarray, StagePlan, Predicted] | None:
         """The fastest plan found whose emitted memory fits `budget` (None: none does).
 
@@ -646,7 +718,7 @@ class ShardingProblem:
         for forbidden in (None, twins) if twins else (None,):
             target = budget
             for _ in range(1 + _BUDGET_CORRECTIONS):
-                found = self._emitted(target, deadline, forbidden)
+                found = self._emitted(target, deadline, forbidden, start)
                 if found is None:
                     if target == budget and forbidden is None:
                         # The ILP's memory is a lower bound of the emitted plan's: none fits.

@@ -77,13 +77,23 @@ class Costs:
 
     def at(self, where) -> tuple[float, float, float, float]:
         """(compute, blocking, overlap, comm bytes) of one choice (or one matrix cell)."""
-        return tuple(
-            float(m[where]) for m in (self.compute, self.blocking, self.overlap, self.comm_bytes)
-        )
+        return tuple(float(m[where]) for m in self._arrays())
 
     def add_comm(self, where, seconds: float, nbytes: float, overlappable: bool) -> None:
         (self.overlap if overlappable else self.blocking)[where] += seconds
         self.comm_bytes[where] += nbytes
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.compute, self.blocking, self.overlap, self.comm_bytes
+
+    def copy(self, source, target) -> None:
+        """Choice `target`'s costs become choice `source`'s."""
+        for m in self._arrays():
+            m[target] = m[source]
+
+    def add(self, other: Costs) -> None:
+        for mine, theirs in zip(self._arrays(), other._arrays(), strict=True):
+            mine += theirs
 
 
 @dataclasses.dataclass(slots=True)
@@ -305,11 +315,18 @@ class MenuBuilder:
                 if self.grouping.value_of(ref) is not None
                 and self.grouping.group_of_value(self.grouping.value_of(ref)) == group.index
             ]
+            own = Costs.zeros(len(menu))  # the member's own costs, priced once per strategy
+            first: dict[Strategy, int] = {}
             for k in range(len(menu)):
                 s = menu.strategies[k][j]
-                self.add_node_cost(costs, k, node, s, weight, overlappable)
+                if (k0 := first.setdefault(s, k)) == k:
+                    self.add_node_cost(own, k, node, s, weight, overlappable)
+                else:  # choices that differ in other members only
+                    own.copy(k0, k)
+            costs.add(own)
+            for k in range(len(menu)):
                 for pos, lv in internal:
-                    need = s.in_specs[pos]
+                    need = menu.strategies[k][j].in_specs[pos]
                     have = menu.value_specs[k][lv]
                     if need is not None and need != have:
                         aval = node.in_avals[pos]

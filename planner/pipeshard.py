@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ from autopar.planner.intra import (
     IntraOpConfig,
     ShardingProblem,
     Stash,
+    StructureStrategies,
     program_structure,
 )
 from autopar.planner.memory import held_values, liveness, whole_peak_bytes
@@ -61,6 +63,7 @@ from autopar.planner.schedules import PipelineSchedule
 from autopar.planner.stage_options import ManualStageOption, UniformStageOption
 from autopar.planner.stages import (
     CostFn,
+    StageAssignment,
     StageCost,
     StageSolution,
     forces_batch_dim,
@@ -79,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 STAGE_AXES = ("x", "y")
 MAX_ALTERNATIVES = 3  # a layer's fastest plan and its squeezed ones (`StageShape`)
+# Searches again after chosen stages did not fit when planned as a whole (`LayerCosts.correct`).
+MAX_STAGE_CORRECTIONS = 2
 # A squeezed plan fits a stack of like layers in this share of a stage's memory: a stage mixes
 # layers (the first and last hold the embeddings), and one whose stacks each fill it exactly
 # would fit none of the mixes.
@@ -252,13 +257,15 @@ def stage_shapes(
 @dataclasses.dataclass
 class _LayerPlans:
     """One layer's plans on one mesh kind so far: the fastest first, then one per squeezed
-    `shapes`. The ILP is built on first use (by whichever thread plans it)."""
+    `shapes`, and each one's strategies (a start for a stage's ILP). The ILP is built on first
+    use (by whichever thread plans it)."""
 
     stage: StageProgram
     mesh: MeshPlan
     build: Callable[[], ShardingProblem]
     shapes: tuple[StageShape, ...]
     found: list[LayerCost]
+    strategies: list[StructureStrategies] = dataclasses.field(default_factory=list)
     exhausted: bool = False
     _problem: ShardingProblem | None = None
 
@@ -297,6 +304,7 @@ class LayerCosts:
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
         self.step_bound_s = math.inf
+        self._extra: dict[tuple, float] = {}  # stage -> memory it needs beyond its estimate
         self._count_lock = threading.Lock()
 
     def layer_program(self, layer: int) -> StageProgram:
@@ -433,10 +441,8 @@ class LayerCosts:
             stash = Stash(plans.stage.num_forward, shape.depth * shape.flight - 1)
             problem = plans.problem.stacked(shape.depth, stash)
             budget = STACK_SHARE * self.device_memory
-        plan = problem.solve(budget, as_emitted=False)
-        excess = 0.0 if plan is None else plan.predicted.memory_per_device_bytes - budget
-        if level and excess > 0:  # the ILP does not see resharded copies: ask for less, once
-            plan = problem.solve(budget - excess, as_emitted=False)
+        # the ILP does not see resharded copies: a squeezed plan they take over is corrected
+        found = problem.candidate(budget, correct=level > 0)
         logger.debug(
             "layers %s on mesh %s as 1 of %d with %d micro-batch(es) in flight, within %.3g "
             "GiB: %s in %.2f s",
@@ -445,18 +451,20 @@ class LayerCosts:
             shape.depth,
             shape.flight,
             budget / 2**30,
-            "no plan" if plan is None else "a plan",
+            "no plan" if found is None else "a plan",
             time.perf_counter() - start,
         )
-        if plan is None:
+        if found is None:
             plans.exhausted = True
             return
+        plan = found.plan
         stash = stash_bytes(plans.stage, plan.stages[0])
         state = state_bytes(plans.stage, plan.stages[0])
         # the stack's peak less its layers' state and stashes: one layer's temporaries
         temporary = plan.predicted.memory_per_device_bytes - shape.depth * state
         temporary -= shape.depth * shape.flight * stash
         k = self.config.num_micro_batches
+        plans.strategies.append(found.strategies)
         plans.found.append(
             LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, temporary))
         )
@@ -466,15 +474,35 @@ class LayerCosts:
     ) -> tuple[StageCost, ...]:
         """The stage DP's cost_fn: layers [start, end) on `logical` (see the module docstring):
         its fastest alternative, then one per squeeze level as long as the last may not fit (a
-        layer with fewer levels stays at its tightest)."""
-        found = list(self.fastest(start, end, submesh, logical))
+        layer with fewer levels stays at its tightest). A stage `correct`ed after it did not
+        fit as a whole counts the memory it needs there."""
+        extra = self._extra.get((start, end, submesh, logical), 0.0)
+        if extra == math.inf:
+            return ()
+        found = [_raised(c, extra) for c in self.fastest(start, end, submesh, logical)]
         while found and len(found) < MAX_ALTERNATIVES and self._needs_tighter(found[-1], end):
             level = len(found)
             layers = [self.layer_costs(layer, logical, level + 1) for layer in range(start, end)]
             if all(len(costs) <= level for costs in layers):
                 break  # every layer is at its tightest
-            found.append(_stage_cost(layers, level))
+            found.append(_raised(_stage_cost(layers, level), extra))
         return tuple(found)
+
+    def correct(self, stage: StageAssignment, flight: int, least: float) -> None:
+        """Raise the memory of `stage`'s alternatives so that none fits with `flight`
+        micro-batches in flight: planned as a whole there, it needs `least` bytes per device
+        (inf: it has no plan), more than its layers' plans add up to (resharding between them,
+        activations alive across them). The search then places it where fewer micro-batches
+        are in flight, or leaves it out."""
+        key = (*stage.layers, stage.submesh, stage.logical_mesh)
+        alternatives = self(*key)
+        if not math.isfinite(least) or not alternatives:
+            self._extra[key] = math.inf
+            return
+        estimate = min(
+            c.static_memory_bytes + flight * c.activation_memory_bytes for c in alternatives
+        )
+        self._extra[key] = self._extra.get(key, 0.0) + max(0.0, least - estimate)
 
     def _needs_tighter(self, cost: StageCost, end: int) -> bool:
         """Whether the DP may need a tighter alternative than `cost` for a stage ending at layer
@@ -487,12 +515,39 @@ class LayerCosts:
         hopeless = self.config.num_micro_batches * cost.latency_s >= self.step_bound_s
         return need > self.device_memory * self.config.least_memory_share and not hopeless
 
+    def chosen_strategies(self, stage: StageAssignment) -> list[StructureStrategies]:
+        """The strategies of the layer plans that priced the alternative the stage search
+        chose for `stage`: its ILP starts from them, so that a stage plan stopped at the time
+        limit is no worse than the search's estimate. Only plans made on the stage's very
+        mesh (not one with its axes swapped) apply."""
+        (start, end), logical = stage.layers, stage.logical_mesh
+        alternatives = self(start, end, stage.submesh, logical)
+        if stage.cost not in alternatives:
+            return []
+        level = alternatives.index(stage.cost)
+        mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
+        layers = [self._layer_plans(layer, logical) for layer in range(start, end)]
+        return [
+            plans.strategies[min(level, len(plans.strategies) - 1)]
+            for plans in layers
+            if plans is not None
+            and plans.strategies
+            and (plans.mesh.shape, plans.mesh.axis_names) == (mesh.shape, mesh.axis_names)
+        ]
+
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
     ) -> tuple[StageCost, ...]:
         """A cost_fn of stages at their layers' fastest plans only (never squeezed)."""
         fastest = [self.layer_costs(layer, logical, 1) for layer in range(start, end)]
         return (_stage_cost(fastest, 0),) if all(fastest) else ()
+
+
+def _raised(cost: StageCost, extra: float) -> StageCost:
+    """`cost` with `extra` bytes per device more all step long."""
+    if not extra:
+        return cost
+    return dataclasses.replace(cost, static_memory_bytes=cost.static_memory_bytes + extra)
 
 
 def _stage_cost(layers: list[tuple[LayerCost, ...]], level: int) -> StageCost:
@@ -612,21 +667,63 @@ def _fastest_schedule(
     return schedule, solution
 
 
+@dataclasses.dataclass(frozen=True)
+class _StageJob:
+    """A chosen stage to plan as a whole: its program on its mesh with `flight` micro-batches
+    in flight, and the strategies of the layer plans that priced it (the ILP's start)."""
+
+    stage: StageProgram
+    mesh: MeshPlan
+    intra: IntraOpConfig
+    flight: int
+    layer_strategies: list[StructureStrategies]
+
+
+def _stage_jobs(
+    parts: StepParts,
+    program: Program,
+    config: PipelineConfig,
+    costs: CostFn,
+    schedule: PipelineSchedule,
+    solution: StageSolution,
+    cluster_shape: tuple[int, int],
+) -> tuple[list[tuple[StageProgram, MeshPlan, tuple]], dict[tuple, _StageJob]]:
+    """Per chosen stage (its program, mesh, job key), and the jobs that plan them: identical
+    stages on equal meshes with as many micro-batches in flight are planned once."""
+    ranges = [a.layers for a in solution.stages]
+    placement = place_stages(parts, ranges)
+    meshes = solution.num_meshes
+    devices = place_submeshes([a.submesh for a in solution.stages[:meshes]], *cluster_shape)
+    in_flight = schedule.stage_in_flight(len(ranges), config.num_micro_batches, meshes)
+    chosen, jobs = [], {}
+    for s, assignment in enumerate(solution.stages):
+        stage = stage_program(parts, placement, s, program.signature)
+        mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s % meshes]))
+        flight = in_flight[s]
+        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, flight)
+        chosen.append((stage, mesh, key))
+        if key not in jobs:
+            intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
+            # the layer plans that priced it, where the cost model did (not a profiler)
+            priced = costs.chosen_strategies(assignment) if isinstance(costs, LayerCosts) else []
+            jobs[key] = _StageJob(stage, mesh, intra, flight, priced)
+    return chosen, jobs
+
+
 def _plan_stage(
-    job: tuple[StageProgram, MeshPlan, IntraOpConfig, int],
-    cluster: ClusterSpec,
-    num_micro_batches: int,
-    memory: float,
-) -> Plan:
+    job: _StageJob, cluster: ClusterSpec, num_micro_batches: int, memory: float
+) -> Plan | MemoryBudgetError:
     """A chosen stage planned as a whole within device memory, its other micro-batches in
-    flight holding their activations (the ILP trades them against the rest, `intra.Stash`)."""
-    stage, mesh, intra, flight = job
+    flight holding their activations (the ILP trades them against the rest, `intra.Stash`),
+    from the strategies its layers' plans chose; the error, with the least memory the stage
+    needs, where none fits."""
+    stage, mesh, flight = job.stage, job.mesh, job.flight
     stash = Stash(stage.num_forward, flight - 1)
-    problem = ShardingProblem(stage.program, mesh, cluster, intra, num_micro_batches, stash)
-    plan = problem.solve(memory)
+    problem = ShardingProblem(stage.program, mesh, cluster, job.intra, num_micro_batches, stash)
+    plan = problem.solve(memory, start=problem.start_from(job.layer_strategies))
     if plan is None:
         error = problem.over_budget(memory)
-        raise MemoryBudgetError(
+        return MemoryBudgetError(
             f"stage of layers {stage.layers} on mesh {mesh.shape} with {flight} micro-batches "
             f"in flight: {error}; or use more micro-batches (less activation memory each) or "
             "more pipeline stages",
@@ -676,36 +773,39 @@ def plan_pipeshard(
     memory = config.intra.budget(cluster)
     _check_memory_floor(parts, program, cluster_shape, memory)
     costs = costs or LayerCosts(parts, program, cluster, config, math.prod(cluster_shape))
-    schedule, solution = _fastest_schedule(
-        parts.num_layers, cluster_shape, costs, memory, config, cluster.launch_overhead_s
-    )
-    dp_seconds = time.perf_counter() - start_time
-    ranges = [a.layers for a in solution.stages]
-    placement = place_stages(parts, ranges)
-    meshes, per_mesh = solution.num_meshes, solution.stages_per_mesh
-    devices = place_submeshes([a.submesh for a in solution.stages[:meshes]], *cluster_shape)
     k = config.num_micro_batches
-    in_flight = schedule.stage_in_flight(len(ranges), k, meshes)
-    chosen = []  # per stage: (its program, mesh, plan key)
-    # Identical stages on equal meshes with as many micro-batches in flight are planned once.
-    jobs: dict[tuple, tuple[StageProgram, MeshPlan, IntraOpConfig, int]] = {}
-    for s, assignment in enumerate(solution.stages):
-        stage = stage_program(parts, placement, s, program.signature)
-        mesh = stage_mesh(assignment.logical_mesh, tuple(devices[s % meshes]))
-        flight = in_flight[s]
-        key = (stage.program.fingerprint, mesh.shape, mesh.axis_names, flight)
-        chosen.append((stage, mesh, key))
-        if key not in jobs:
-            intra = stage_intra_config(config, assignment.logical_mesh, program.signature)
-            jobs[key] = (stage, mesh, intra, flight)
-
-    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        plan_jobs = functools.partial(  # the stages on a mesh share its memory
-            _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory / per_mesh
+    solved: dict[tuple, Plan | MemoryBudgetError] = {}  # by job key, over the searches
+    for searches in itertools.count(1):
+        schedule, solution = _fastest_schedule(
+            parts.num_layers, cluster_shape, costs, memory, config, cluster.launch_overhead_s
         )
-        solved = pool.map(plan_jobs, jobs.values())
-        solved = progress(solved, desc="stage plans (ILP)", total=len(jobs), unit="stage")
-        planned_by_key = dict(zip(jobs, solved, strict=True))
+        meshes, per_mesh = solution.num_meshes, solution.stages_per_mesh
+        chosen, jobs = _stage_jobs(parts, program, config, costs, schedule, solution, cluster_shape)
+        todo = {key: job for key, job in jobs.items() if (*key, per_mesh) not in solved}
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1) or 1) as pool:
+            plan_jobs = functools.partial(  # the stages on a mesh share its memory
+                _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory / per_mesh
+            )
+            done = pool.map(plan_jobs, todo.values())
+            done = progress(done, desc="stage plans (ILP)", total=len(todo), unit="stage")
+            solved.update(((*key, per_mesh), plan) for key, plan in zip(todo, done, strict=True))
+        planned_by_key = {key: solved[(*key, per_mesh)] for key in jobs}
+        failed = {key: p for key, p in planned_by_key.items() if isinstance(p, MemoryBudgetError)}
+        if not failed:
+            break
+        if not isinstance(costs, LayerCosts) or searches > MAX_STAGE_CORRECTIONS:
+            raise next(iter(failed.values()))
+        # A chosen stage needs more memory as a whole than its layers' plans add up to: the
+        # search goes again, knowing.
+        for (_, _, key), assignment in zip(chosen, solution.stages, strict=True):
+            if key in failed:
+                costs.correct(assignment, jobs[key].flight, failed[key].least)
+        logger.info(
+            "%d chosen stage(s) did not fit as a whole (%s); searching the stages again",
+            len(failed),
+            next(iter(failed.values())),
+        )
+    ranges = [a.layers for a in solution.stages]
     stage_plans, latencies, peaks = [], [], []
     compute = comm = comm_bytes = flops = 0.0
     for s, ((stage, mesh, key), assignment) in enumerate(zip(chosen, solution.stages, strict=True)):
@@ -743,9 +843,9 @@ def plan_pipeshard(
         f"{len(ranges)} stage(s): {shapes}; {schedule.value}; stage search over "
         f"{parts.num_layers} layers with {costs.ilp_solves} candidate ILP solves"
     )
-    logger.info(
-        "pipeshard plan: %s; stage search in %.2f s, planned in %.2f s", note, dp_seconds, elapsed
-    )
+    if searches > 1:
+        note += f" ({searches} searches: chosen stages that did not fit as a whole were repriced)"
+    logger.info("pipeshard plan: %s; planned in %.2f s", note, elapsed)
     sig = program.signature
     return Plan(
         method=PlanMethod.PIPESHARD_PARALLEL,

@@ -101,13 +101,21 @@ def test_client_matches_serial(client_name: str, method_name: str):
 def test_equinox_hyperparameters_stay_static_under_adam():
     """A Module's Python floats (its dropout rate) are static, as `eqx.filter_jit` has them:
     traced, they were differentiated, so adam's state (built without them) broke the first step,
-    and sgd's steps returned them as arrays."""
+    and sgd's steps returned them as arrays. Each step's loss matches the serial step's: Adam
+    turns the rounding noise of parameters with tiny gradients (here the attention's query and
+    key projections) into steps of the learning rate's size, so the parameters themselves are
+    compared under SGD (`test_client_matches_serial`)."""
     client = clients.equinox_transformer(optax.adam(LR), BATCH)
     step = autopar.parallelize(client.step, batch_argnums=(2,))
-    args, _ = _run(step, client.args, STEPS)
+    serial = client.jit(client.step)
+    args = expected = client.args
+    for _ in range(STEPS):
+        *state, metrics = step(*args)
+        *serial_state, serial_metrics = serial(*expected)
+        args, expected = (*state, args[-1]), (*serial_state, expected[-1])
+        loss, serial_loss = float(metrics["loss"]), float(serial_metrics["loss"])
+        assert abs(loss - serial_loss) <= 1e-5 * abs(serial_loss)
     assert isinstance(args[0].blocks[0].attention.dropout.p, float)
-    expected = _reference(client, 1)
-    assert _relative_error(_float_leaves(args[:-1]), _float_leaves(expected[:-1])) <= 1e-5
 
 
 def _relative_error(actual: list, expected: list) -> float:

@@ -17,7 +17,9 @@ import autopar
 from autopar.api import trace_for_method
 from autopar.models import GPTConfig, MLPConfig, gpt, mlp
 from autopar.planner import ilp as ilp_module
+from autopar.planner import pipeshard as pipeshard_module
 from autopar.planner.draw import _stages_of_device
+from autopar.planner.errors import MemoryBudgetError
 from autopar.planner.groups import group_graph
 from autopar.planner.intra import IntraOpConfig, ShardingProblem, Stash, plan_shard_parallel
 from autopar.planner.memory import liveness, whole_peak_bytes
@@ -311,9 +313,9 @@ def test_candidate_layer_ilps_run_without_presolve(monkeypatch):
     presolve = []
     run_highs = ilp_module._run_highs
 
-    def recording(lp, options):
+    def recording(lp, options, start):
         presolve.append(options["presolve"])
-        return run_highs(lp, options)
+        return run_highs(lp, options, start)
 
     monkeypatch.setattr(ilp_module, "_run_highs", recording)
     traced, parts, pipeline = _auto_stage_parts()
@@ -394,8 +396,71 @@ def test_a_stacked_layer_counts_what_a_stage_of_like_layers_adds_up():
     fastest_stack = float(stacked.memory.evaluate(solution.choices).max())
     budget = (stacked.ilp.least_memory() + fastest_stack) / 2
     assert budget < fastest_stack
-    found = stacked.solve(budget, as_emitted=False)
-    assert found is not None and found.predicted.memory_per_device_bytes <= budget
+    found = stacked.candidate(budget)
+    assert found is not None and found.plan.predicted.memory_per_device_bytes <= budget
+
+
+def test_a_layer_whose_ilp_finds_no_plan_in_time_falls_back_on_its_least_memory_plan(
+    monkeypatch,
+):
+    """A candidate ILP that stops at its time limit without a plan, or whose plan asked for less
+    by its resharded copies finds none, does not drop a layer that fits out of the stage search:
+    its least-memory plan stands in where it fits the budget, and only there (not where the ILP
+    proved that none fits)."""
+    traced, parts, _ = _auto_stage_parts()
+    stage = range_program(parts, traced.program.signature, 1, 2)
+    stacked = _layer_problem((1, 2)).stacked(2, Stash(stage.num_forward, 3))
+    least = stacked.least_memory()
+
+    def out_of_time(ilp, *args, **kwargs):
+        ilp.out_of_time = True
+
+    monkeypatch.setattr(type(stacked.ilp), "solve", out_of_time)
+    found = stacked.candidate(1.01 * least, correct=True)
+    assert found is not None and found.plan.predicted.memory_per_device_bytes <= 1.01 * least
+    assert found.strategies  # a start for a stage of such layers
+    assert stacked.candidate(0.99 * least, correct=True) is None
+
+    def proved_none(ilp, *args, **kwargs):
+        ilp.out_of_time = False
+
+    def unexpected(self):
+        raise AssertionError("planned the least-memory plan")
+
+    monkeypatch.setattr(type(stacked.ilp), "solve", proved_none)
+    monkeypatch.setattr(ShardingProblem, "_least_memory_plan", unexpected)
+    assert stacked.candidate(1.01 * least) is None  # the ILP proved none fits: no fallback
+
+
+def test_a_stage_ilp_starts_from_its_layers_plans():
+    """A stage's ILP starts from the strategies its layers' plans chose (`start_from`, matched by
+    group structure, which a layer alone and in a stage share): every class of a structure the
+    layers have (most of them: groups at a layer's edges may be cut differently) gets one, and a
+    solve stopped at its first plan is no slower than the one from that start."""
+    traced, parts, _ = _auto_stage_parts()
+    signature, cluster = traced.program.signature, autopar.ClusterSpec.local(8)
+    mesh = stage_mesh((2, 2), tuple(range(4)))
+
+    def problem(start, end):
+        program = range_program(parts, signature, start, end).program
+        return ShardingProblem(program, mesh, cluster, IntraOpConfig(), MICRO_BATCHES)
+
+    n = parts.num_layers
+    layers = [problem(layer, layer + 1).candidate(2.0**40).strategies for layer in range(n)]
+    stage = problem(0, n)
+    start = stage.start_from(layers)
+    known = set().union(*layers)
+    groups = stage.problem.grouping.groups
+    assert {g.cls for g in groups if g.structure in known} == set(start)
+    assert len(start) > 0.75 * stage.problem.num_classes
+    # A solve that stops at its time limit has its start's plan at least: here the best one.
+    best = problem(0, n).ilp.solve(2.0**40)
+    assert best.optimal
+    config = dataclasses.replace(IntraOpConfig(), time_limit_s=1e-3)
+    program = range_program(parts, signature, 0, n).program
+    stopped = ShardingProblem(program, mesh, cluster, config, MICRO_BATCHES)
+    found = stopped.ilp.solve(2.0**40, start=dict(enumerate(best.choices)))
+    assert found is not None and list(found.choices) == list(best.choices)
 
 
 def test_stage_shapes_follow_a_balanced_pipeline():
@@ -487,6 +552,41 @@ def _same_plan_fewer_solves(traced, parts, pipeline, cluster, cluster_shape, exh
         solves.append(costs.ilp_solves)
     assert plans[0] == plans[1]
     assert solves[0] < solves[1]
+
+
+def test_a_chosen_stage_that_does_not_fit_as_a_whole_is_searched_again(monkeypatch):
+    """Where a chosen stage, planned as a whole, needs more memory than its layers' plans add up
+    to, the search goes again knowing it (`LayerCosts.correct`): the plan avoids that stage with
+    as many micro-batches in flight, and says it searched again; where it keeps happening, the
+    stage's error reaches the user, naming the memory it needs."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    plan_stage = pipeshard_module._plan_stage
+    refused = []
+
+    def refusing_the_first(job, cluster, num_micro_batches, memory):
+        if not refused or refused[0] == (job.stage.layers, job.mesh.shape, job.flight):
+            refused[:1] = [(job.stage.layers, job.mesh.shape, job.flight)]
+            return MemoryBudgetError(f"stage {job.stage.layers} needs more", memory, 2 * memory)
+        return plan_stage(job, cluster, num_micro_batches, memory)
+
+    monkeypatch.setattr(pipeshard_module, "_plan_stage", refusing_the_first)
+    costs = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline, costs)
+    flights = plan.pipeline_schedule.stage_in_flight(len(plan.stages), MICRO_BATCHES)
+    found = [(s.layers, s.mesh.shape, f) for s, f in zip(plan.stages, flights, strict=True)]
+    assert refused and refused[0] not in found
+    assert "searches: chosen stages that did not fit as a whole" in plan.notes[0]
+
+    monkeypatch.setattr(
+        pipeshard_module,
+        "_plan_stage",
+        lambda job, *_, **__: MemoryBudgetError(
+            f"stage {job.stage.layers} needs 9 GiB", 1.0, 9 * 2.0**30
+        ),
+    )
+    with pytest.raises(MemoryBudgetError, match="needs 9 GiB"):
+        plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
 
 
 def test_profiling_needs_the_devices():

@@ -216,10 +216,10 @@ def test_memory_cut_rounds_share_the_time_limit(monkeypatch):
     clock, limits = [0.0], []
     solve_for_real = ilp._solve
 
-    def solve_taking_all_the_time(model, closed, time_limit_s):
+    def solve_taking_all_the_time(model, closed, time_limit_s, start):
         limits.append(time_limit_s)
         clock[0] += time_limit_s
-        return solve_for_real(model, closed, time_limit_s)
+        return solve_for_real(model, closed, time_limit_s, start)
 
     monkeypatch.setattr(ilp, "_solve", solve_taking_all_the_time)
     monkeypatch.setattr(ilp_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
