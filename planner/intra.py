@@ -641,11 +641,11 @@ class ShardingProblem:
         stage: StagePlan,
         predicted: Predicted,
         budget: float,
-        start: float,
+        began: float,
         warn: bool,
     ) -> Plan:
         """The plan of `choice` within `budget` (`solution` None: the least-memory plan), its
-        ILP solved since `start`; `warn`: say where the ILP stopped at its time limit."""
+        ILP solved since `began`; `warn`: say where the ILP stopped at its time limit."""
         program, problem = self.program, self.problem
         if warn and solution is not None and not solution.optimal:
             logger.warning(
@@ -655,7 +655,7 @@ class ShardingProblem:
             )
         if self.reduce_scatter_once:
             stage, predicted = self._scatter_once(choice, budget, stage, predicted)
-        elapsed = self.build_seconds + time.perf_counter() - start
+        elapsed = self.build_seconds + time.perf_counter() - began
         self.build_seconds = 0.0  # counted in the first plan only
         logger.info(
             "sharding ILP: %d nodes in %d groups, %d classes, %d edges; solved in %.2f s",
@@ -663,7 +663,7 @@ class ShardingProblem:
             len(problem.grouping.groups),
             problem.num_classes,
             len(self.edges),
-            time.perf_counter() - start,
+            time.perf_counter() - began,
         )
         logger.debug("shard_parallel plan made in %.2f s (ILP built and solved)", elapsed)
         # Timings stay out of the plan: the same program and options give the same plan.
