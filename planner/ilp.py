@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -496,12 +496,12 @@ class IntraOpIlp:
         closed = [int(s[c][k]) for c, ks in (forbidden or {}).items() for k in ks]
         hint: dict[int, float] = {}
         if start and self.solver == "highs":
+            hint = _one_hot(s, start)
             if len(start) < len(s):  # the other classes' choices, with the started ones fixed
-                fixed = [int(c) for k, (j, c) in _start_columns(s, start) if j != k]
+                fixed = [col for col, value in hint.items() if not value]
                 with contextlib.suppress(_CutsDidNotSettle):
                     completed = self._budgeted(model, s, budget_bytes, deadline, closed + fixed, {})
-                    start = {} if completed is None else dict(enumerate(completed[0]))
-            hint = {int(c): float(j == k) for k, (j, c) in _start_columns(s, start)}
+                    hint = {} if completed is None else _one_hot(s, dict(enumerate(completed[0])))
         try:
             result = self._budgeted(model, s, budget_bytes, deadline, closed, hint)
         except _CutsDidNotSettle:
@@ -575,13 +575,9 @@ class _Cut:
     const: float
 
 
-def _start_columns(
-    s: Sequence[np.ndarray], start: Mapping[int, int]
-) -> Iterator[tuple[int, tuple[int, int]]]:
-    """(started choice, (choice, column)) for every choice column of each started class."""
-    for c, k in start.items():
-        for choice_column in enumerate(s[c]):
-            yield k, choice_column
+def _one_hot(s: Sequence[np.ndarray], choices: Mapping[int, int]) -> dict[int, float]:
+    """Column -> value of choosing `choices[c]` for each class c in it (1 there, 0 elsewhere)."""
+    return {int(col): float(j == k) for c, k in choices.items() for j, col in enumerate(s[c])}
 
 
 def _joined(terms: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
