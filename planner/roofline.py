@@ -14,7 +14,9 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
 * transcendentals (XLA's class: `exp`, `log`, `tanh`, `logistic`, `erf`, `sqrt`, ...) take
   `transcendental_rate` elements/s, an order of magnitude below an add on a CPU (a polynomial per
   element), instead of one FLOP per element;
-* convolutions run at `conv_flops`, which XLA:CPU reaches at well under its matmul peak;
+* convolutions run at `conv_flops`, which XLA:CPU reaches at well under its matmul peak, or
+  where slower, at the rate of a matmul of the same FLOPs: a GPU runs them as implicit GEMMs
+  (an H200 takes 3.3 µs for a 1 MFLOP one and 5 µs for 67 MFLOP, as it does for matmuls);
 * a transpose that moves the minor (contiguous) dimension reads with a stride, which XLA:CPU does
   element by element, at `transpose_bandwidth` bytes (read + written) per second, whether it is
   materialized or fused into its reader's loop. A transpose that only contractions read stays
@@ -30,7 +32,7 @@ A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs 
 small matmul leaves cores or tensor-core units idle and pays set-up that a large one amortizes
 (XLA:CPU runs a 128x64x64 matmul on one of two cores, at under half the peak; an H200 takes
 3 µs for a 256x128x128 one, 1% of its peak). A weight gradient runs at the slower of that and
-`transposed_matmul_flops`, a rate measured at one size. On a GPU, element-wise loops over one
+`transposed_matmul_flops`, the rate of a large one. On a GPU, element-wise loops over one
 shape that read a common operand, or where one reads what another writes, are one
 multi-output kernel (`Roofline.kernel_leader`).
 
@@ -110,11 +112,11 @@ def node_peak(node: OpNode, flops: float, cluster: ClusterSpec, lhs_copied: bool
     contraction (TF32 for fp32 at default precision) times the share a matmul of its size
     reaches, its output's otherwise. A dot whose lhs is copied into a plain matrix first
     (`planner.dot_layout`) does not read it transposed."""
-    if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
-        return cluster.conv_flops / cluster.compute_efficiency  # an achieved rate, not a peak
     if node.primitive in _CONTRACTIONS:
         peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
         peak *= cluster.matmul_fraction(flops)
+        if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
+            return min(peak, cluster.conv_flops / cluster.compute_efficiency)  # an achieved rate
         transposed = _transposed_lhs(node) and not lhs_copied
         if cluster.transposed_matmul_flops is not None and transposed:
             return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)

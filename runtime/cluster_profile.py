@@ -17,9 +17,10 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   program and wait for it, and what each input or output buffer adds (`microbench.measure_launch`);
 - `transcendental_rate`, `conv_flops`, `transpose_bandwidth`: the rates of the op classes the
   roofline prices on their own (`autopar.planner.roofline`): `exp` over a streaming buffer
-  (elements/s), a 3x3 convolution (FLOP/s), transposes of 1 MiB planes (bytes/s);
+  (elements/s), a 3x3 convolution (FLOP/s; its batch grows until a run takes long enough),
+  transposes of 1 MiB planes (bytes/s);
 - `transposed_matmul_flops`: a float32 weight gradient x^T·y (its lhs contracts its major
-  dimension), FLOP/s;
+  dimension; its rows grow as the convolution's batch does), FLOP/s;
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -360,6 +361,11 @@ def build_spec(
         unmeasured += _INTER
     platform = devices[0].platform
     peaks = _peaks(matmul)
+    rated = {t.kind.spec_field: t.rate for t in rates}  # fresh memory: None if it is free
+    if rated.get("transpose_bandwidth"):  # moves what the streaming kernel moves, at best: a
+        # GPU's layout assignment can make some of a measured chain's transposes free (an H200
+        # read 8.4 TB/s, over its 4.1 TB/s of streaming)
+        rated["transpose_bandwidth"] = min(rated["transpose_bandwidth"], stream.bytes_per_s)
     spec = ClusterSpec(
         num_hosts=hosts,
         devices_per_host=per_host,
@@ -382,7 +388,7 @@ def build_spec(
             matmul_ramp, kernel.per_kernel_s, peaks[MatmulKind.FP32.spec_field]
         ),
         **peaks,  # device_flops (bf16), tf32_flops, fp32_flops
-        **{t.kind.spec_field: t.rate for t in rates},  # fresh memory: None if it is free
+        **rated,
     )
     return spec, unmeasured
 

@@ -5,16 +5,18 @@ themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
 figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
-share of the cores for simulated CPU devices. Each op is a step x -> new x of the same shape
-and placement (x is donated, so no buffer is copied or allocated between runs). A program of
-`chain` steps, each reading the one before (an `optimization_barrier` between them stops XLA
-fusing them), is timed, and one op's time is t_chain / chain: an upper bound by what the program
-pays once (Python's dispatch) over `chain`, so that a rate is never overstated. (The difference
-with a program of one step, (t_chain − t_1) / (chain − 1), cancels that cost but swung by half
-with the one-step program's noise: a 1024³ matmul read 540 to 810 GFLOP/s on two cores that
-reach about 520.) Each program is compiled, run once to warm up, then timed `repeats` times:
-the least of those times counts, since noise (other processes, a core's clock changing, a
-thread pool waking) only ever adds time.
+share of the cores for simulated CPU devices. Each op is a step x -> new x of the same shape and
+placement (x is donated, so no buffer is copied or allocated between runs). A program of `chain`
+steps, each reading the one before (an `optimization_barrier` between them stops XLA fusing
+them), is timed. On a CPU one op's time is t_chain / chain: an upper bound by what the program
+pays once (Python's dispatch, a few µs) over `chain`, so that a rate is never overstated. (The
+difference with a program of one step, (t_chain − t_1) / (chain − 1), cancels that cost but
+swung by half with the one-step program's noise there: a 1024³ matmul read 540 to 810 GFLOP/s on
+two cores that reach about 520.) On an accelerator a program's launch and wait cost 50–150 µs,
+more than a mid-sized op takes (an H200 runs a 1.2 GFLOP convolution in 11.5 µs; a chain of 4
+read 47 µs per convolution), so there the difference is taken. Each program is compiled, run
+once to warm up, then timed `repeats` times: the least of those times counts, since noise (other
+processes, a core's clock changing, a thread pool waking) only ever adds time.
 """
 
 from __future__ import annotations
@@ -285,8 +287,16 @@ def _op_s(
     fusible: bool = False,
 ) -> float:
     """Seconds of one `step(x, *consts) -> new x` (see the module docstring); `wrap` puts a
-    per-device body on the mesh. A `fusible` step is chained by back-to-back calls instead:
-    XLA's CPU backend drops optimization barriers before fusing."""
+    per-device body on the mesh. On a CPU a `fusible` step is chained by back-to-back calls
+    instead: XLA's CPU backend drops optimization barriers before fusing."""
+    if next(iter(x.devices())).platform != "cpu":
+        one = _compiled(wrap(_chained(step, 1)), x, consts)
+        seconds_one, x = _timed_calls(one, x, consts, 1, sizes.repeats)
+        chained = _compiled(wrap(_chained(step, sizes.chain)), x, consts)
+        many, _ = _timed_calls(chained, x, consts, 1, sizes.repeats)
+        if many > seconds_one:
+            return (many - seconds_one) / (sizes.chain - 1)
+        return many / sizes.chain  # noise swallowed the ops: the upper bound
     if fusible:
         single = _compiled(wrap(step), x, consts)
         many, _ = _timed_calls(single, x, consts, sizes.chain, sizes.repeats)
@@ -415,13 +425,26 @@ def measure_transcendental(devices: Sequence[jax.Device], sizes: ProfileSizes) -
     return RateTiming(RateKind.TRANSCENDENTAL, elements, seconds)
 
 
+def _grown(time_at: Callable[[int], RateTiming], first: int, sizes: ProfileSizes) -> RateTiming:
+    """`time_at(n)` for n = first, 4·first, ... until a run of the next would take longer than
+    `sizes.max_run_s`: the last timing, the largest op's, whose rate is the one a large op of its
+    kind reaches and the least swayed by a program's launch (on a CPU the first size already
+    runs long enough)."""
+    n = first
+    while True:
+        timing = time_at(n)
+        if sizes.too_slow(timing.seconds, 4):
+            return timing
+        n *= 4
+
+
 def measure_convolution(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
     """A 3x3 "SAME" convolution (NHWC) of `_CONV_CHANNELS` channels on `_CONV_SIDE`² images,
-    as many as `sizes.stream_bytes` / 16 of input hold (at least one): FLOP/s."""
+    first as many as `sizes.stream_bytes` / 16 of input hold (at least one), then more
+    (`_grown`): FLOP/s (an H200's grows from 105 to 209 TFLOP/s between 16 and 256 images;
+    `planner.roofline` prices small convolutions by `ClusterSpec.matmul_fraction`)."""
     mesh, d = _local_mesh(devices), len(devices)
     image = _CONV_SIDE * _CONV_SIDE * _CONV_CHANNELS
-    batch = max(1, sizes.stream_bytes // 16 // (4 * image))
-    x = _filled(mesh, (d * batch, _CONV_SIDE, _CONV_SIDE, _CONV_CHANNELS), jnp.float32, 0.5)
     weight = 1 / (9 * _CONV_CHANNELS)  # keeps x near 0.5
     w = _filled(mesh, (d * 3, 3, _CONV_CHANNELS, _CONV_CHANNELS), jnp.float32, weight)
 
@@ -430,9 +453,12 @@ def measure_convolution(devices: Sequence[jax.Device], sizes: ProfileSizes) -> R
             x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
 
-    seconds = _op_s(_per_device(mesh, 2), step, x, (w,), sizes)
-    flops = 2 * batch * image * _CONV_CHANNELS * 9
-    return RateTiming(RateKind.CONVOLUTION, flops, seconds)
+    def time_at(batch: int) -> RateTiming:
+        x = _filled(mesh, (d * batch, _CONV_SIDE, _CONV_SIDE, _CONV_CHANNELS), jnp.float32, 0.5)
+        seconds = _op_s(_per_device(mesh, 2), step, x, (w,), sizes)
+        return RateTiming(RateKind.CONVOLUTION, 2 * batch * image * _CONV_CHANNELS * 9, seconds)
+
+    return _grown(time_at, max(1, sizes.stream_bytes // 16 // (4 * image)), sizes)
 
 
 def measure_transpose(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
@@ -447,18 +473,23 @@ def measure_transpose(devices: Sequence[jax.Device], sizes: ProfileSizes) -> Rat
 
 
 def measure_transposed_matmul(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
-    """x^T·y of two (`_GRAD_ROWS`, `_GRAD_SIDE`) float32 blocks: a weight gradient, whose lhs
-    contracts its major dimension (XLA:CPU runs it outside its fast matmul kernels): FLOP/s."""
+    """x^T·y of two (`_GRAD_ROWS`, `_GRAD_SIDE`) float32 blocks, then of more rows (`_grown`): a
+    weight gradient, whose lhs contracts its major dimension (XLA:CPU runs it outside its fast
+    matmul kernels): FLOP/s. (On an H200 the first size takes a few µs: a chain of 4 of them
+    against one read 1.2 PFLOP/s, the launch's noise.)"""
     mesh, d = _local_mesh(devices), len(devices)
-    x = _filled(mesh, (d * _GRAD_ROWS, _GRAD_SIDE), jnp.float32, 0.5)
-    y = _filled(mesh, (d * _GRAD_ROWS, _GRAD_SIDE), jnp.float32, 1.0 / _GRAD_ROWS)
 
     def step(x, y):  # the (side, side) gradient written over x's first rows: it stays 0.5
         grad = jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())))
         return jax.lax.dynamic_update_slice(x, grad, (0, 0))
 
-    seconds = _op_s(_per_device(mesh, 2), step, x, (y,), sizes)
-    return RateTiming(RateKind.TRANSPOSED_MATMUL, 2 * _GRAD_ROWS * _GRAD_SIDE**2, seconds)
+    def time_at(rows: int) -> RateTiming:
+        x = _filled(mesh, (d * rows, _GRAD_SIDE), jnp.float32, 0.5)
+        y = _filled(mesh, (d * rows, _GRAD_SIDE), jnp.float32, 1.0 / rows)
+        seconds = _op_s(_per_device(mesh, 2), step, x, (y,), sizes)
+        return RateTiming(RateKind.TRANSPOSED_MATMUL, 2 * rows * _GRAD_SIDE**2, seconds)
+
+    return _grown(time_at, _GRAD_ROWS, sizes)
 
 
 def measure_fresh_memory(

@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar import cli
 from autopar.planner.cost import Collective
-from autopar.runtime import cluster_profile
+from autopar.runtime import cluster_profile, microbench
 from autopar.runtime.cluster_profile import (
     ClusterProfile,
     CollectiveTiming,
@@ -26,6 +26,7 @@ from autopar.runtime.cluster_profile import (
     MatmulTiming,
     ProfileSizes,
     RateKind,
+    build_spec,
     fit_all_to_all,
     fit_link,
     matmul_efficiency,
@@ -109,8 +110,26 @@ def test_each_op_class_rate_sets_its_spec_field(one):
     assert [t.kind for t in one.rates] == list(RateKind)
     for t in one.rates:
         assert t.work > 0 and t.seconds > 0
-        assert getattr(one.spec, t.kind.spec_field) == t.rate == t.work / t.seconds
+        rate = t.work / t.seconds
+        if t.kind is RateKind.TRANSPOSE:  # capped at the streaming kernel's (see below)
+            rate = min(rate, one.stream.bytes_per_s)
+        assert getattr(one.spec, t.kind.spec_field) == rate
     assert "transcendentals" in one.summary()
+
+
+def test_a_transpose_is_never_priced_faster_than_the_streaming_kernel(one):
+    """A transpose reads and writes what the streaming kernel does: a measured rate above the
+    memory bandwidth (transposes that layout assignment made free) is capped at it."""
+    fast = [
+        dataclasses.replace(t, seconds=t.seconds / 1e6) if t.kind is RateKind.TRANSPOSE else t
+        for t in one.rates
+    ]
+    parts = (one.matmul, one.matmul_ramp, one.stream, one.kernel, one.launch)
+    spec, _ = build_spec(jax.devices()[:1], *parts, fast, one.collectives)
+    assert spec.transpose_bandwidth == one.stream.bytes_per_s
+    spec, _ = build_spec(jax.devices()[:1], *parts, one.rates, one.collectives)
+    (transpose,) = [t for t in one.rates if t.kind is RateKind.TRANSPOSE]
+    assert spec.transpose_bandwidth == min(transpose.rate, one.stream.bytes_per_s)
 
 
 def test_the_launch_timing_splits_into_a_launch_and_a_cost_per_buffer(one):
@@ -337,3 +356,47 @@ def test_on_ray_each_host_is_a_mesh_worker():
     assert {(t.axis, t.num_devices) for t in profile.collectives} == {(0, 2), (1, 2)}
     check_plausible(profile.spec)
     assert alive == []
+
+
+class _FakeDevice:
+    platform = "gpu"
+
+
+class _OnAccelerator:
+    """Stands in for an array on an accelerator: `_op_s` asks only for its devices."""
+
+    def devices(self):
+        return {_FakeDevice()}
+
+
+def test_on_an_accelerator_an_op_is_a_chain_less_a_program_of_one(monkeypatch):
+    """A GPU program's launch and wait (50-150 µs) outweigh a mid-sized op: the op's time is
+    (t_chain - t_1) / (chain - 1), not t_chain / chain."""
+    launch, op = 100e-6, 10e-6
+    monkeypatch.setattr(microbench, "_compiled", lambda fun, x, consts: fun)
+    monkeypatch.setattr(microbench, "_chained", lambda step, times: times)
+    timed = lambda times, x, consts, calls, repeats: (launch + times * op, x)  # noqa: E731
+    monkeypatch.setattr(microbench, "_timed_calls", timed)
+    sizes = dataclasses.replace(SMALL, chain=4)
+    seconds = microbench._op_s(lambda body: body, None, _OnAccelerator(), (), sizes)
+    assert seconds == pytest.approx(op)
+    # where noise swallowed the ops, the upper bound t_chain / chain stands
+    monkeypatch.setattr(microbench, "_timed_calls", lambda *a: (launch, a[1]))
+    seconds = microbench._op_s(lambda body: body, None, _OnAccelerator(), (), sizes)
+    assert seconds == pytest.approx(launch / 4)
+
+
+def test_the_convolution_is_timed_at_growing_batches_until_a_run_would_be_too_long(monkeypatch):
+    """Batches grow 4x while a run of the next stays within `max_run_s`; the last, largest
+    convolution's timing counts (its rate is the best here, as on a GPU)."""
+    batches = []
+
+    def op_s(wrap, step, x, consts, sizes):
+        batch = x.shape[0]
+        batches.append(batch)
+        return 1e-3 + batch * 1e-4  # a fixed cost amortized over more images
+
+    monkeypatch.setattr(microbench, "_op_s", op_s)
+    timing = microbench.measure_convolution(jax.devices()[:1], SMALL)
+    assert batches == [1, 4, 16, 64]  # 64: (1 + 2) x 7.4 ms x 4 > 50 ms, the last measured
+    assert timing.work == 2 * 64 * 32 * 32 * 64 * 64 * 9 and timing.seconds == 1e-3 + 64e-4
