@@ -175,7 +175,7 @@ class _Step:
     @classmethod
     def of(cls, program: Program, cluster: ClusterSpec, n: int) -> _Step:
         grouping = group_graph(program.graph)
-        live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
+        live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
         mesh = logical_mesh(cluster, (n,), ("batch",))
         batch = batch_dims(grouping, program.signature.batch_inputs, mesh, 0)
         return cls(grouping, live, batch, gradient_part(program.graph))

@@ -235,7 +235,7 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
     axis = _forced_batch_axis(mesh, config)
     batch = program.signature.batch_inputs
     forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
-    live = liveness(grouping, program.signature, dot_operand_copies=cluster.platform == "cpu")
+    live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
     builder = MenuBuilder(
         grouping,
         mesh,

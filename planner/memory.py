@@ -12,13 +12,14 @@ readers unless the op, or what fuses into it, is expensive (`_EXPENSIVE`, XLA's 
 An op that only relabels its operand's buffer (`_ALIASES`) extends that buffer's life instead.
 An element-wise fusion writes its result over an operand of the same shape that dies there.
 On the CPU backend, a dot operand not laid out the way its matmul reads it is first copied
-(`planner.dot_layout`).
+(`planner.dot_layout`), and max pooling's gradient is expanded into index buffers
+(`_cpu_buffers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -126,10 +127,9 @@ def _buffers(
     return buffer, readers
 
 
-def liveness(
-    grouping: Grouping, signature: StepSignature, *, dot_operand_copies: bool = False
-) -> Liveness:
-    """Live ranges of the materialized temporary buffers of the step, in `schedule` order.
+def liveness(grouping: Grouping, signature: StepSignature, *, cpu: bool = False) -> Liveness:
+    """Live ranges of the materialized temporary buffers of the step, in `schedule` order;
+    `cpu`: with the buffers XLA:CPU adds (`_cpu_buffers`).
 
     A fused op runs inside the fusion of its reader, so its operands live until that reader runs.
     """
@@ -186,15 +186,8 @@ def liveness(
                     ends[u] = t - 1
                     break
     temporaries = [(v, step_of[v[0]], ends[v]) for v in materialized]
-    if dot_operand_copies:
-        temporaries += [
-            (value, step_of[n.id], step_of[n.id])
-            for n in nodes
-            if n.primitive == "dot_general"
-            for copy in layout_copies(graph, n)
-            if not copy.written_by_fusion
-            and (value := grouping.value_of(n.inputs[copy.position])) is not None
-        ]
+    if cpu:
+        temporaries += _cpu_buffers(grouping, nodes, step_of)
     extra_outputs = tuple(
         v
         for j, v in enumerate(outputs)
@@ -203,6 +196,44 @@ def liveness(
     return Liveness(
         tuple(temporaries), len(nodes), extra_outputs, step_of, last_use, frozenset(fused)
     )
+
+
+def _cpu_buffers(
+    grouping: Grouping, nodes: Sequence[OpNode], step_of: dict[str, int]
+) -> list[tuple[Value, int, int]]:
+    """XLA:CPU's buffers that the jaxpr does not show, each as (a value of its size, first
+    step, last step):
+
+    * a dot operand copied into the layout its matmul reads (`planner.dot_layout`), at the dot;
+    * max pooling's gradient, `select_and_scatter_add`, which XLA:CPU's SelectAndScatterExpander
+      turns into a selection (a reduce-window over the operand, padded where the window is, and
+      an int32 iota of its shape per dimension, giving each window's value and its index per
+      dimension) and a scatter of the gradient. The selection needs only the forward operand,
+      and XLA schedules it in the forward pass: its operand-sized inputs and source-sized
+      outputs live from where the operand is computed to the scatter (a Wide-ResNet of 32
+      images: 52 MiB of the 188 MiB of temporaries at XLA's peak, which the model missed). A
+      step that is a max pool alone has its selection just before its scatter: there this
+      over-counts by the scatter's output (1.2-1.3 of XLA's peak)."""
+    buffers = []
+    for n in nodes:
+        at = step_of[n.id]
+        if n.primitive == "dot_general":
+            for copy in layout_copies(grouping.graph, n):
+                value = grouping.value_of(n.inputs[copy.position])
+                if not copy.written_by_fusion and value is not None:
+                    buffers.append((value, at, at))
+        elif n.primitive == "select_and_scatter_add":
+            source, operand = (grouping.value_of(ref) for ref in n.inputs[:2])
+            if source is None or operand is None:
+                continue
+            start = step_of[operand[0]] if operand[0] is not None else 0
+            aval = n.in_avals[1]
+            per_index = -(-4 // aval.dtype.itemsize)  # an int32 index in operand-sized units
+            indices = len(aval.shape) * per_index
+            padded = any(lo or hi for lo, hi in n.params["padding"])
+            buffers += [(operand, start, at)] * (indices + padded)
+            buffers += [(source, start, at)] * (1 + indices)
+    return buffers
 
 
 def live_bytes(num_steps: int, buffers: Iterable[tuple[float, int, int]]) -> np.ndarray:

@@ -402,7 +402,7 @@ class LayerCosts:
         if structure not in self._whole_peaks:
             grouping = group_graph(stage.program.graph)
             cpu = self.cluster.platform == "cpu"
-            live = liveness(grouping, stage.program.signature, dot_operand_copies=cpu)
+            live = liveness(grouping, stage.program.signature, cpu=cpu)
             self._whole_peaks[structure] = whole_peak_bytes(grouping, live)
         floor = self._whole_peaks[structure] / math.prod(logical)
         if floor > self.device_memory:

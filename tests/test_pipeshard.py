@@ -520,7 +520,7 @@ def test_a_layer_over_its_memory_floor_builds_no_ilp():
     cluster = autopar.ClusterSpec.local(8)
     stage = range_program(parts, traced.program.signature, 1, 2).program
     grouping = group_graph(stage.graph)
-    whole = whole_peak_bytes(grouping, liveness(grouping, stage.signature, dot_operand_copies=True))
+    whole = whole_peak_bytes(grouping, liveness(grouping, stage.signature, cpu=True))
     for logical in ((1, 2), (1, 8), (2, 4)):
         assert whole / math.prod(logical) <= _layer_problem(logical).ilp.least_memory()
     budget = whole / 3  # over the floor on 2 devices, under it on 8
