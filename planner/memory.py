@@ -226,7 +226,7 @@ def _cpu_buffers(
             source, operand = (grouping.value_of(ref) for ref in n.inputs[:2])
             if source is None or operand is None:
                 continue
-            start = step_of[operand[0]] if operand[0] is not None else 0
+            start = step_of.get(operand[0], 0)  # 0: an argument
             aval = n.in_avals[1]
             per_index = -(-4 // aval.dtype.itemsize)  # an int32 index in operand-sized units
             indices = len(aval.shape) * per_index
