@@ -144,6 +144,7 @@ def main() -> None:
         "planning_s": round(seconds, 1),
         "stages": stages,
         "predicted_step_s": None if plan is None else plan.predicted.step_time_s,
+        "notes": [] if plan is None else list(plan.notes),
         "outcome": outcome,
         "options": "defaults (AutoShardingOption())",
         "cpus": os.cpu_count(),

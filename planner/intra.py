@@ -713,14 +713,16 @@ class ShardingProblem:
         Where that fails with gradients reduced once from whole accumulators in the menus (their
         plans may gather more than the ILP sees), it is tried again without them; the pass after
         the ILP adds those that fit (`_scatter_once`). The plan of least memory is the last
-        resort, so None means nothing fits. The solves share `deadline`."""
+        resort, also where the ILP runs out of time before any plan (a memory-bound stage of
+        GPT-39B did, and was refused though 13.1 of its 14.9 GiB would do), so None means
+        nothing fits. The solves share `deadline`."""
         twins = self._whole_accumulator_choices()
         for forbidden in (None, twins) if twins else (None,):
             target = budget
             for _ in range(1 + _BUDGET_CORRECTIONS):
                 found = self._emitted(target, deadline, forbidden, start)
                 if found is None:
-                    if target == budget and forbidden is None:
+                    if target == budget and forbidden is None and not self.ilp.out_of_time:
                         # The ILP's memory is a lower bound of the emitted plan's: none fits.
                         return None
                     break

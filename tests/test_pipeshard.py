@@ -379,6 +379,24 @@ def test_a_budget_the_ilp_cannot_meet_is_answered_without_the_least_memory_plan(
     assert problem.solve(budget) is None
 
 
+def test_an_ilp_out_of_time_before_any_plan_falls_back_to_the_least_memory_plan(monkeypatch):
+    """Where the ILP runs out of time before any plan under a budget the least-memory plan fits
+    (a memory-bound stage's MIP can), `solve` answers with that plan, not "nothing fits"."""
+    problem = _layer_problem((1, 2))
+    budget = 2 * problem.least_memory()
+    solve = ilp_module.IntraOpIlp._solve
+
+    def out_of_time(self, model, closed, time_limit_s, start):
+        if "peak_mib" in model.names:  # the least-memory search still solves
+            return solve(self, model, closed, time_limit_s, start)
+        return ilp_module._Status.NO_SOLUTION, None
+
+    monkeypatch.setattr(ilp_module.IntraOpIlp, "_solve", out_of_time)
+    plan = problem.solve(budget)
+    assert plan is not None and "least-memory plan" in plan.notes[0]
+    assert plan.predicted.memory_per_device_bytes == pytest.approx(problem.least_memory())
+
+
 def test_a_stacked_layer_counts_what_a_stage_of_like_layers_adds_up():
     """A layer planned as one of d like layers with more micro-batches in flight holds, at every
     step, the other layers' state (parameters, optimizer state, accumulated gradients) and the
@@ -587,6 +605,69 @@ def test_a_chosen_stage_that_does_not_fit_as_a_whole_is_searched_again(monkeypat
     )
     with pytest.raises(MemoryBudgetError, match="needs 9 GiB"):
         plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
+
+
+def test_a_chosen_stage_far_slower_as_a_whole_is_repriced(monkeypatch):
+    """Where a chosen stage fits as a whole only with a plan far slower than its layers' plans
+    add up to, the search goes again with the stage at that speed (`LayerCosts.reprice`): the
+    plan avoids it and says so, and the plan's step is its stages' own (never the search's
+    estimate); where every search is slower than the first, the first stands."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    plan_stage = pipeshard_module._plan_stage
+    slowed = []
+
+    def slowing(factor):
+        def slowing_the_first(job, cluster, num_micro_batches, memory):
+            plan = plan_stage(job, cluster, num_micro_batches, memory)
+            stage = (job.stage.layers, job.mesh.shape, job.flight)
+            if slowed and slowed[0] != stage:
+                return plan
+            slowed[:1] = [stage]
+            slower = plan.predicted.step_time_s * factor
+            return dataclasses.replace(
+                plan, predicted=dataclasses.replace(plan.predicted, step_time_s=slower)
+            )
+
+        return slowing_the_first
+
+    plain = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
+    assert "searches" not in plain.notes[0]
+
+    monkeypatch.setattr(pipeshard_module, "_plan_stage", slowing(100.0))
+    plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
+    flights = plan.pipeline_schedule.stage_in_flight(len(plan.stages), MICRO_BATCHES)
+    found = [(s.layers, s.mesh.shape, f) for s, f in zip(plan.stages, flights, strict=True)]
+    assert slowed and slowed[0] not in found
+    assert "ran over 1.5 times slower than estimated, were repriced" in plan.notes[0]
+    latencies = [s.predicted.step_time_s / MICRO_BATCHES for s in plan.stages]
+    step = plan.pipeline_schedule.step_time(latencies, MICRO_BATCHES)
+    assert plan.predicted.step_time_s == pytest.approx(max(step, plan.predicted.host_s))
+
+    # Every stage ever slower than estimated: the searches stop after MAX_STAGE_CORRECTIONS
+    # more, and the fastest of them by its stages' own plans is the plan.
+    calls = []
+
+    def all_slower(job, cluster, num_micro_batches, memory):
+        plan = plan_stage(job, cluster, num_micro_batches, memory)
+        calls.append(job.stage.layers)
+        slower = plan.predicted.step_time_s * 4 * len(calls)
+        return dataclasses.replace(
+            plan, predicted=dataclasses.replace(plan.predicted, step_time_s=slower)
+        )
+
+    searches, search = [], pipeshard_module._Search
+
+    def recorded(*args):
+        searches.append(search(*args))
+        return searches[-1]
+
+    monkeypatch.setattr(pipeshard_module, "_plan_stage", all_slower)
+    monkeypatch.setattr(pipeshard_module, "_Search", recorded)
+    plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
+    assert len(searches) == pipeshard_module.MAX_STAGE_CORRECTIONS + 1
+    assert f"({len(searches)} searches" in plan.notes[0]
+    assert plan.predicted.step_time_s == min(s.step for s in searches)
 
 
 def test_profiling_needs_the_devices():
