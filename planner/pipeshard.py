@@ -503,7 +503,7 @@ class LayerCosts:
         """`stage`, planned as a whole, takes `latency` seconds per micro-batch, far more than
         its layers' plans add up to (where only plans far from theirs fit it as a whole): the
         search goes again with each of its alternatives that slow."""
-        key = (*stage.layers, stage.submesh, stage.logical_mesh)
+        key = _stage_key(stage)
         self._latency[key] = max(self._latency.get(key, 0.0), latency)
 
     def correct(self, stage: StageAssignment, flight: int, least: float) -> None:
@@ -512,7 +512,7 @@ class LayerCosts:
         (inf: it has no plan), more than its layers' plans add up to (resharding between them,
         activations alive across them). The search then places it where fewer micro-batches
         are in flight, or leaves it out."""
-        key = (*stage.layers, stage.submesh, stage.logical_mesh)
+        key = _stage_key(stage)
         alternatives = self(*key)
         if not math.isfinite(least) or not alternatives:
             self._extra[key] = math.inf
@@ -559,6 +559,11 @@ class LayerCosts:
         """A cost_fn of stages at their layers' fastest plans only (never squeezed)."""
         fastest = [self.layer_costs(layer, logical, 1) for layer in range(start, end)]
         return (_stage_cost(fastest, 0),) if all(fastest) else ()
+
+
+def _stage_key(stage: StageAssignment) -> tuple:
+    """The cost_fn's arguments for `stage`: (start, end, submesh, logical mesh)."""
+    return (*stage.layers, stage.submesh, stage.logical_mesh)
 
 
 def _raised(cost: StageCost, extra: float, latency: float = 0.0) -> StageCost:
