@@ -350,6 +350,13 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
             else f"{spec.fresh_memory_rate / 1e9:.2f} GB/s"
         )
         + " |",
+        "| column reduction (rows walked, one kernel) | "
+        + (
+            "at the memory bandwidth (not measured)"
+            if spec.column_reduction_rate is None
+            else f"{spec.column_reduction_rate / 1e9:.2f} Grows/s"
+        )
+        + " |",
         "",
         "| model | predicted | measured | predicted / measured |",
         "|---|---:|---:|---:|",

@@ -39,6 +39,16 @@ a step's temporaries as one block, so a step whose temporaries reach the thresho
 bytes at `fresh_memory_rate` (`autopar.planner.roofline.fresh_memory_s`). GPU runtimes keep a
 pool of device memory: None there, and no cost.
 
+A GPU reduces the rows of a column reduction (one that keeps the minor dimension: a bias or
+layer norm gradient, batch norm statistics) in a loop per thread block, so one over many rows
+and few columns takes far longer than its bytes: an H200 takes 4.9 µs to sum a 4096x64 float32
+array over its rows (1 MiB, 0.25 µs of its bandwidth) and 2.0 µs at 1024 rows. Where a spec
+gives `column_reduction_rate` (rows/s), a column reduction takes at least its rows over that
+rate beyond its kernel floor (`autopar.planner.roofline`; XLA:GPU splits one over more than
+`roofline.COLUMN_REDUCTION_SPLIT` rows into two kernels of about √rows each). XLA:CPU's column
+reductions stream at the memory bandwidth (a 4096x8 one takes what a streaming kernel over it
+takes): None there, as in specs that predate it.
+
 All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run slower than it
 on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales
 its bytes term (`autopar.profile_cluster()` fits it; 1 in the presets).
@@ -81,6 +91,7 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "transpose_bandwidth",
     "transposed_matmul_flops",
     "fresh_memory_rate",
+    "column_reduction_rate",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
@@ -133,6 +144,7 @@ class ClusterSpec:
     transpose_bandwidth: float | None = None  # bytes/s moving the minor dim; None: folded, free
     transposed_matmul_flops: float | None = None  # lhs contracting its major dim; None: peak
     fresh_memory_rate: float | None = None  # bytes/s of first writes to fresh pages; None: free
+    column_reduction_rate: float | None = None  # rows/s a column reduction walks; None: free
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
@@ -392,6 +404,10 @@ _PRESETS: dict[str, ClusterSpec] = {
         memory_bandwidth=3.35e12,  # H100 SXM HBM3 (datasheet)
         fp32_flops=67e12,  # H100 SXM fp32 (datasheet)
         tf32_flops=494.7e12,  # H100 SXM TF32 dense tensor-core peak
+        # `profile_cluster` on a lent H200 (the same Hopper SMs and clocks; jax 0.11.2,
+        # 2026-11-27): a 4096-row column reduction's loop, 0.96 G rows/s. V100 and A100: none
+        # measured, so their column reductions are priced by their bytes.
+        column_reduction_rate=0.96e9,
         **_GPU_EFFICIENCIES,
     ),
 }

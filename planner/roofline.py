@@ -26,7 +26,11 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   (`planner.dot_layout`): each copy is a kernel, priced like a transpose;
 * a matmul whose lhs contracts a dimension other than its minor one (a weight gradient x^T·dy)
   runs at `transposed_matmul_flops`: XLA:CPU leaves it to Eigen, at a fraction of its matmul
-  kernels' rate.
+  kernels' rate;
+* a column reduction (one that keeps the minor dimension: a bias or layer-norm gradient, batch
+  norm statistics) on a GPU walks its rows in a loop per thread block, at
+  `column_reduction_rate` rows/s whatever its width, where that is slower than its bytes
+  (`Roofline.column_reduction_s`).
 
 A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs per device: a
 small matmul leaves cores or tensor-core units idle and pays set-up that a large one amortizes
@@ -42,7 +46,10 @@ ILP's menus from a strategy's specs, the data-parallel methods from the batch di
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.dot_layout import LayoutCopy, layout_copies, swaps_free_dims
@@ -61,6 +68,10 @@ _CONTRACTIONS = frozenset(
 )
 _TRANSCENDENTAL = names_where("transcendental")
 _FUSED = names_where("fuses")  # element-wise: loop fusions, as the memory model fuses them
+# XLA:GPU reduces more rows than this in two kernels of about √rows each (its tree reduction
+# rewriter, which spares it atomics): an H200 sums a 4096-row float32 array over its rows in one
+# kernel and a 16384-row one in two (`ClusterSpec.column_reduction_rate`).
+COLUMN_REDUCTION_SPLIT = 4096
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, cluster: ClusterSpec) -> float:
@@ -277,6 +288,7 @@ class Roofline:
         if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
             # flops counts one per element (`planner.graph.elementwise_flops`)
             seconds = max(seconds, flops / self.cluster.transcendental_rate)
+        seconds = max(seconds, self.column_reduction_s(node, in_bytes, out_bytes))
         seconds += sum(
             self.copy_s(
                 sum(out_bytes) if c.position is None else in_bytes[c.position] or 0.0, c.strided
@@ -284,6 +296,27 @@ class Roofline:
             for c in copies
         )
         return seconds + (self.cluster.kernel_overhead_s if launches else 0.0)
+
+    def column_reduction_s(
+        self, node: OpNode, in_bytes: Sequence[float | None], out_bytes: Sequence[float]
+    ) -> float:
+        """Seconds beyond its kernel floor that `node`, with operands and outputs of the given
+        per-device sizes, takes to walk its rows where it is a column reduction (its minor
+        dimension kept) and the spec prices those (`ClusterSpec.column_reduction_rate`); 0
+        otherwise. The rows are per device: a reduced dimension that is split leaves each
+        device fewer. Above `COLUMN_REDUCTION_SPLIT` rows, two kernels of √rows each."""
+        rate = self.cluster.column_reduction_rate
+        axes = node.params.get("axes")
+        if rate is None or not axes or not in_bytes or not in_bytes[0] or not out_bytes[0]:
+            return 0.0
+        operand, result = node.in_avals[0], node.out_avals[0]
+        if len(operand.shape) - 1 in axes:
+            return 0.0  # the minor dimension is reduced: a row reduction
+        elements_in = in_bytes[0] / np.dtype(operand.dtype).itemsize
+        rows = elements_in / (out_bytes[0] / np.dtype(result.dtype).itemsize)
+        if rows > COLUMN_REDUCTION_SPLIT:
+            return 2 * math.sqrt(rows) / rate + self.cluster.kernel_overhead_s
+        return rows / rate
 
     def copy_s(self, nbytes: float, strided: bool) -> float:
         """Seconds of one kernel copying `nbytes` into another layout: read and written at the

@@ -21,6 +21,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   transposes of 1 MiB planes (bytes/s);
 - `transposed_matmul_flops`: a float32 weight gradient x^T·y (its lhs contracts its major
   dimension; its rows grow as the convolution's batch does), FLOP/s;
+- `column_reduction_rate`: on a GPU, rows per second a column reduction walks (a bias
+  gradient's mean over 4096 rows, beyond its kernels' floors); None on a CPU, whose column
+  reductions stream;
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -67,6 +70,7 @@ from autopar.runtime.microbench import (
     RateTiming,
     StreamTiming,
     measure_collectives,
+    measure_column_reduction,
     measure_convolution,
     measure_fresh_memory,
     measure_kernel_floor,
@@ -193,7 +197,7 @@ class ClusterProfile:
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
             f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
             f"{_si(s.transposed_matmul_flops)}FLOP/s",
-            f"  fresh memory: {_fresh(s)}",
+            f"  fresh memory: {_fresh(s)}; column reductions: {_column(s)}",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
             bandwidth, latency = (getattr(s, f) for f in fields)
@@ -402,6 +406,12 @@ def _fresh(spec: ClusterSpec) -> str:
     )
 
 
+def _column(spec: ClusterSpec) -> str:
+    if spec.column_reduction_rate is None:
+        return "at the memory bandwidth (not measured)"
+    return f"{spec.column_reduction_rate:.3g} rows/s walked"
+
+
 def _device_memory(devices: Sequence[jax.Device]) -> float:
     """The device's memory limit, or (CPU) physical RAM shared by this host's profiled devices."""
     local = [d for d in devices if d.process_index == jax.process_index()]
@@ -488,6 +498,7 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
             rates.append(measure(local, sizes))
             bar.update()
         rates.append(measure_fresh_memory(local, sizes, GLIBC_MMAP_THRESHOLD))
+        rates.append(measure_column_reduction(local, sizes, kernel.per_kernel_s))
         bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:

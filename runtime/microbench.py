@@ -1,7 +1,7 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
 floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
-transposes), the host's cost to launch a program, and collectives, timed on the devices
-themselves.
+transposes, weight gradients, a GPU's column reductions), the host's cost to launch a program,
+and collectives, timed on the devices themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
 figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
@@ -48,6 +48,9 @@ _TRANSPOSE_SIDE = 512
 # A weight gradient's matmul: (4096, 256)^T · (4096, 256), as a layer's input and output
 # gradient over a batch of tokens give it.
 _GRAD_ROWS, _GRAD_SIDE = 4096, 256
+# A bias gradient's column reduction: the most rows XLA:GPU reduces in one kernel
+# (`planner.roofline.COLUMN_REDUCTION_SPLIT`), 64 columns (256 B a row: its bytes are nothing).
+_COLUMN_ROWS, _COLUMN_WIDTH = 4096, 64
 
 
 class MatmulKind(enum.Enum):
@@ -203,6 +206,7 @@ class RateKind(enum.Enum):
     TRANSPOSE = "transpose"  # float32 planes transposed: bytes read + written per second
     TRANSPOSED_MATMUL = "transposed matmul"  # a float32 weight gradient x^T·y: FLOP/s
     FRESH_MEMORY = "fresh memory"  # bytes/s of first writes to freshly mapped pages
+    COLUMN_REDUCTION = "column reduction"  # rows/s a GPU's column reduction walks
 
     @property
     def spec_field(self) -> str:
@@ -212,6 +216,7 @@ class RateKind(enum.Enum):
             "transpose": "transpose_bandwidth",
             "transposed matmul": "transposed_matmul_flops",
             "fresh memory": "fresh_memory_rate",
+            "column reduction": "column_reduction_rate",
         }[self.value]
 
 
@@ -226,7 +231,7 @@ class RateTiming:
     @property
     def rate(self) -> float | None:
         """work / seconds; None where the op cost nothing measurable (fresh memory on a runtime
-        that pools it)."""
+        that pools it) or was not measured (a CPU's column reductions)."""
         return self.work / self.seconds if self.seconds > 0 else None
 
 
@@ -306,14 +311,21 @@ def _op_s(
     return many / sizes.chain
 
 
-def _least_matmul_chain_s(
-    mesh: Mesh, x: jax.Array, w: jax.Array, ops: int, sizes: ProfileSizes, donated: bool = True
+def _least_chain_s(
+    mesh: Mesh,
+    step: Callable,
+    x: jax.Array,
+    consts: Sequence[jax.Array],
+    ops: int,
+    sizes: ProfileSizes,
+    donated: bool = True,
 ) -> tuple[float, jax.Array]:
-    """Least time of `4 * sizes.repeats` waited calls of a program of `ops` dependent matmuls
-    x -> x @ w on each device of `mesh`, and the last x: the timing behind the kernel floor and
-    the matmul ramp, which difference chains of different lengths."""
-    compiled = _compiled(_per_device(mesh, 2)(_chained(jnp.matmul, ops)), x, (w,), donated)
-    return _timed_calls(compiled, x, (w,), 1, 4 * sizes.repeats)
+    """Least time of `4 * sizes.repeats` waited calls of a program of `ops` dependent steps
+    x -> step(x, *consts) on each device of `mesh`, and the last x: the timing behind the kernel
+    floor, the matmul ramp and column reductions, which difference chains of different lengths
+    (long ones: a step of a few µs is lost in a launch's noise over a chain of `sizes.chain`)."""
+    program = _per_device(mesh, 1 + len(consts))(_chained(step, ops))
+    return _timed_calls(_compiled(program, x, consts, donated), x, consts, 1, 4 * sizes.repeats)
 
 
 def _local_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -391,7 +403,7 @@ def measure_matmul_ramp(
         w = _filled(mesh, (d * s, s), jnp.float32, 1.0 / s)  # x @ w stays 0.5
         seconds = []
         for n in (1, ops):
-            least, x = _least_matmul_chain_s(mesh, x, w, n, sizes)
+            least, x = _least_chain_s(mesh, jnp.matmul, x, (w,), n, sizes)
             seconds.append(least)
         per_op = max(0.0, seconds[1] - seconds[0]) / (ops - 1)
         timings.append(MatmulTiming(MatmulKind.FP32, 2 * s, s, s, per_op))
@@ -511,6 +523,27 @@ def measure_fresh_memory(
     return RateTiming(RateKind.FRESH_MEMORY, 4 * elements, extra if extra > 0.1 * in_place else 0)
 
 
+def measure_column_reduction(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, floor_s: float
+) -> RateTiming:
+    """The mean over the rows of a (`_COLUMN_ROWS`, `_COLUMN_WIDTH`) float32 array written over
+    its first row, `sizes.kernel_ops` of them in one program against one: rows per second of
+    the time beyond two kernel floors `floor_s` (the reduction and the row write), the loop a
+    GPU's column reduction runs per thread block. (An H200's trace shows 5.3 µs for the
+    reduction and 0.9 µs for the write, where the bytes take 0.25 µs; timed over a chain of 4,
+    the launch's noise read 18 to 24 µs.) Not measured on a CPU, whose column reductions stream
+    at the memory bandwidth: seconds 0, no rate."""
+    if devices[0].platform != "gpu":
+        return RateTiming(RateKind.COLUMN_REDUCTION, _COLUMN_ROWS, 0.0)
+    mesh, d = _local_mesh(devices), len(devices)
+    x = _filled(mesh, (d * _COLUMN_ROWS, _COLUMN_WIDTH), jnp.float32, 0.5)
+    step = lambda x: jax.lax.dynamic_update_slice(x, x.mean(0, keepdims=True), (0, 0))  # noqa: E731
+    one, x = _least_chain_s(mesh, step, x, (), 1, sizes)
+    many, _ = _least_chain_s(mesh, step, x, (), sizes.kernel_ops, sizes)
+    seconds = (many - one) / (sizes.kernel_ops - 1) - 2 * floor_s
+    return RateTiming(RateKind.COLUMN_REDUCTION, _COLUMN_ROWS, max(0.0, seconds))
+
+
 def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:
     """`sizes.kernel_ops` tiny dependent matmuls in one program against a single one, with the
     buffer donated and not (`KernelTiming`); each the least of `4 * sizes.repeats` waited calls."""
@@ -520,7 +553,7 @@ def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> 
     seconds = []
     for donated in (True, False):
         for ops in (1, sizes.kernel_ops):
-            least, x = _least_matmul_chain_s(mesh, x, w, ops, sizes, donated)
+            least, x = _least_chain_s(mesh, jnp.matmul, x, (w,), ops, sizes, donated)
             seconds.append(least)
     return KernelTiming(sizes.kernel_ops, *seconds)
 

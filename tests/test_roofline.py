@@ -5,6 +5,7 @@ the V100 preset."""
 
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ _FORMAT_9_FIELDS = ("transposed_matmul_flops", "fresh_memory_rate", "fresh_memor
 _FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s", "all_to_all_factor")
 _FORMAT_11_FIELDS = ("kernel_update_s",)
 _FORMAT_12_FIELDS = ("matmul_efficiency",)
+_FORMAT_13_FIELDS = ("column_reduction_rate",)
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -38,6 +40,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_10_FIELDS,
     *_FORMAT_11_FIELDS,
     *_FORMAT_12_FIELDS,
+    *_FORMAT_13_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -78,6 +81,7 @@ def test_peak_depends_on_dtype_and_precision():
         ("transcendental_rate", 0.0),
         ("conv_flops", -1.0),
         ("transpose_bandwidth", float("nan")),
+        ("column_reduction_rate", -1e9),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
@@ -123,6 +127,52 @@ def test_transcendentals_run_at_the_measured_rate():
     assert _compute_s(step, 0.0, x, CPU) == pytest.approx(x.size / 1e8 + CPU.kernel_overhead_s)
     unmeasured = dataclasses.replace(CPU, transcendental_rate=None)
     assert _compute_s(step, 0.0, x, unmeasured) == pytest.approx(memory_s + CPU.kernel_overhead_s)
+
+
+# A GPU whose column reductions walk 1e9 rows/s (an H200 measured about that).
+GPU_ROWS = dataclasses.replace(V100.with_devices(1, 1), column_reduction_rate=1e9)
+
+
+@pytest.mark.parametrize(
+    "shape, axes, rows",
+    [
+        ((4096, 64), (0,), 4096),  # a bias gradient: rows over the rate
+        ((16, 256, 32), (0, 1), 4096),  # batch norm statistics over (batch, pixels)
+        ((16384, 64), (0,), None),  # split by XLA: two kernels of 128 rows
+        ((4096, 64), (1,), 0),  # the minor dimension reduced: a row reduction, at its bytes
+    ],
+    ids=["column", "column over two dims", "split", "row"],
+)
+def test_column_reductions_walk_their_rows_at_the_measured_rate(shape, axes, rows):
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    step = lambda s, x: (s, jnp.sum(x, axis=axes))  # noqa: E731
+    bytes_s = (
+        (x.size + x.size // math.prod(shape[a] for a in axes))
+        * 4
+        / (GPU_ROWS.memory_bandwidth * GPU_ROWS.memory_efficiency)
+    )
+    if rows is None:  # 2 x sqrt(16384) rows and the second kernel's floor
+        walk_s = 2 * 128 / 1e9 + GPU_ROWS.kernel_overhead_s
+    else:
+        walk_s = rows / 1e9
+    floor = GPU_ROWS.kernel_overhead_s
+    assert _compute_s(step, 0.0, x, GPU_ROWS) == pytest.approx(max(bytes_s, walk_s) + floor)
+    unmeasured = dataclasses.replace(GPU_ROWS, column_reduction_rate=None)
+    assert _compute_s(step, 0.0, x, unmeasured) == pytest.approx(bytes_s + floor)
+
+
+def test_a_split_reduced_dimension_leaves_each_device_fewer_rows():
+    """A bias gradient over 4096 rows split 4 ways (data parallel): each device walks 1024."""
+    x = jax.ShapeDtypeStruct((4096, 64), jnp.float32)
+    four = dataclasses.replace(V100.with_devices(1, 4), column_reduction_rate=1e6)
+    plan = autopar.plan(
+        lambda s, x: (s, jnp.sum(x, axis=0)),
+        0.0,
+        x,
+        cluster_spec=four,
+        method=autopar.DataParallel(),
+    )
+    assert plan.predicted.compute_s == pytest.approx(1024 / 1e6 + four.kernel_overhead_s)
 
 
 def test_convolutions_run_at_the_measured_rate_or_a_matmul_of_their_size():
@@ -308,11 +358,12 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (6, _ROOFLINE_FIELDS),
         (7, (*_RATE_FIELDS, *_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS)),
         (8, (*_FORMAT_9_FIELDS, *_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
-        (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
-        (10, (*_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS)),
-        (11, _FORMAT_12_FIELDS),
+        (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
+        (10, (*_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
+        (11, (*_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
+        (12, _FORMAT_13_FIELDS),
     ],
-    ids=["format 6", "format 7", "format 8", "format 9", "format 10", "format 11"],
+    ids=["format 6", "format 7", "format 8", "format 9", "format 10", "format 11", "format 12"],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
