@@ -7,7 +7,8 @@ worker). Per case, medians over the timed steps:
 
 * wall step time of both, and (Ray - local) / M: the end-to-end overhead per micro-batch. On this
   2-core machine S worker processes share two cores, so wall time also counts the other workers'
-  compute; it is an upper bound set by the machine.
+  compute; it is an upper bound set by the machine. Also the slowest timed Ray step: a pause
+  that hits one step in several (a worker's garbage collection) leaves the median alone.
 * the driver's time submitting a step, per micro-batch; the bytes the driver puts in a step
   beyond the batch it is given (target 0) and the bytes the workers send each other.
 * the workers' own timelines in device time (`ray_worker.DeviceClock`: each worker's CPU time,
@@ -165,6 +166,7 @@ def run_case(meshes: int, schedule: str, micro_batches: int, steps: int) -> dict
         "micro_batches": micro_batches,
         "local_step_s": local_s,
         "ray_step_s": ray_s,
+        "slowest_ray_step_s": max(wall),
         "wall_overhead_per_micro_batch_ms": (ray_s - local_s) / micro_batches * 1e3,
         "dispatch_per_micro_batch_ms": statistics.median(dispatch) / micro_batches * 1e3,
         "remote_calls_per_step": sum(len(a) for a in executable.actors),
@@ -178,16 +180,17 @@ def run_case(meshes: int, schedule: str, micro_batches: int, steps: int) -> dict
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| meshes | schedule | micro-batches | local step (s) | Ray step (s) | wall overhead / "
-        "mb (ms) | driver dispatch / mb (ms) | calls / step | driver bytes beyond batch | "
-        "worker bytes / step | device span (s) | replayed span (s) | runtime / mb, device (ms) "
-        "| bubble measured | bubble replayed | (S-1)/(vM+S-1) |",
-        "|" + "---|" * 16,
+        "| meshes | schedule | micro-batches | local step (s) | Ray step (s) | slowest Ray step "
+        "(s) | wall overhead / mb (ms) | driver dispatch / mb (ms) | calls / step | driver bytes "
+        "beyond batch | worker bytes / step | device span (s) | replayed span (s) | runtime / mb, "
+        "device (ms) | bubble measured | bubble replayed | (S-1)/(vM+S-1) |",
+        "|" + "---|" * 17,
     ]
     for r in rows:
         lines.append(
             f"| {r['meshes']} | {r['schedule']} | {r['micro_batches']} | {r['local_step_s']:.3f} | "
-            f"{r['ray_step_s']:.3f} | {r['wall_overhead_per_micro_batch_ms']:.1f} | "
+            f"{r['ray_step_s']:.3f} | {r['slowest_ray_step_s']:.3f} | "
+            f"{r['wall_overhead_per_micro_batch_ms']:.1f} | "
             f"{r['dispatch_per_micro_batch_ms']:.2f} | {r['remote_calls_per_step']} | "
             f"{r['driver_bytes_beyond_batch']} | {r['worker_bytes_per_step'] / 2**20:.1f} MiB | "
             f"{r['device_span_s']:.3f} | {r['ideal_span_s']:.3f} | "
