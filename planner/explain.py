@@ -14,8 +14,9 @@ beside the plan they made. `explain_plan` prices, under the same memory budget:
 
 The ILP can store every input as any single-mesh baseline does, so a ShardParallel plan is never
 predicted slower than the best of them that fits (up to the solver's gap and time limit, and
-the resharded copies the ILP does not see in its memory: where they push its fastest plan over
-the budget, a slower one is taken; the explanation says if it is). That guarantee does not cover
+what the emission adds to the ILP's memory, whole accumulators of gradients reduced once per
+step: where that pushes its fastest plan over the budget, a slower one is taken; the
+explanation says if it is). That guarantee does not cover
 pipelined plans (the stage DP prices stages from per-layer plans), plans made by a fixed rule
 (DataParallel, ZeRO), or pipelines compared with a single-mesh plan: the explanation says
 which applies.
@@ -271,8 +272,8 @@ def explain_plan(plan: Plan, ctx: PlanningContext) -> Explanation:
                 "the ILP hit its time limit"
                 if _hit_time_limit(plan)
                 else "the solver stopped in its gap, or the ILP's fastest choices did not fit "
-                "the memory budget once their resharded copies (which its memory does not "
-                "count) were added, and a slower plan was taken"
+                "the memory budget as emitted (gradients reduced once per step hold whole "
+                "accumulators its memory does not count), and a slower plan was taken"
             )
             notes.append(
                 f"WARNING: the chosen plan is predicted slower than {best.name} "

@@ -17,7 +17,8 @@ costs `OVERLAP_PENALTY` of its time (it competes with compute for memory bandwid
 plans that hide everything the one that moves less wins; and each class may carry a tie-break
 cost (e.g. bytes stored), small enough never to outweigh a real cost.
 
-Memory: for each step t, arguments + outputs + temporaries live at t must fit the budget. There
+Memory: for each step t, arguments + outputs + temporaries live at t must fit the budget (a
+resharded copy's bytes on its edge's e[a, b]: exact with one-hot ends). There
 are as many steps as nodes, so constraints are added lazily: solve, find the steps over budget
 under the solution, add those, solve again (a cutting-plane loop; it stops when the solution fits).
 The model and its cuts are kept, so solving again under a tighter budget starts from them.
@@ -97,6 +98,7 @@ class _Model:
         self.row_coefs: list[np.ndarray] = []
         self.row_lower: list[float] = []
         self.row_upper: list[float] = []
+        self.edge_cols: dict[int, np.ndarray] = {}  # edge class -> its e[a, b] columns
 
     def add_cols(
         self, names: Sequence[str], lower: float, upper: float, integer: bool
@@ -218,11 +220,15 @@ class EdgeClass:
 
 @dataclasses.dataclass(slots=True)
 class MemoryModel:
-    """Memory per step as a function of the choices: see `planner.intra` for how it is built."""
+    """Memory per step as a function of the choices: see `planner.intra` for how it is built.
+    A resharded copy's buffer depends on both ends of an edge: `edge_coefficients(step)` gives
+    its bytes per (producer spec, consumer need) of each edge class whose copies live then."""
 
     evaluate: Callable[[np.ndarray], np.ndarray]  # choice per class -> bytes per step
     coefficients: Callable[[int], tuple[dict[int, np.ndarray], float]]  # step -> per class, const
     floor: float = 0.0  # bytes every choice holds at some step: a budget below it fits nothing
+    edge_coefficients: Callable[[int], dict[int, np.ndarray]] = lambda step: {}
+    copying_edges: frozenset[int] = frozenset()  # edge classes with copies at some step
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -259,13 +265,15 @@ class IntraOpIlp:
         self._time: tuple[_Model, list[np.ndarray]] | None = None  # the time model, its cuts
         self._cuts: dict[int, _Cut] = {}
         self._budget = np.inf
+        self._least: np.ndarray | None = None  # `least_memory_choices`' answer
         # whether the last solve found no plan for want of time (not proved to have none)
         self.out_of_time = False
 
     # ------------------------------------------------------------------ model
 
-    def _base_problem(self) -> tuple[_Model, list[np.ndarray]]:
-        """The choice columns (one binary per class and choice) and their one-hot rows."""
+    def _base_problem(self, edges: Sequence[int]) -> tuple[_Model, list[np.ndarray]]:
+        """The choice columns (one binary per class and choice) and their one-hot rows, and
+        the columns of the edge classes `edges` with their transport rows."""
         model = _Model()
         s = [
             model.add_cols([f"s_{c}_{k}" for k in range(n)], 0.0, 1.0, integer=True)
@@ -273,13 +281,8 @@ class IntraOpIlp:
         ]
         for cols in s:
             model.add_row(cols, np.ones(len(cols)), 1.0, 1.0)
-        return model, s
-
-    def _edge_terms(self, model: _Model, s) -> tuple[list, list]:
-        """Edge columns with their transport rows; (blocking, overlap) objective terms, each a
-        (columns, microseconds) pair of arrays."""
-        blocking, overlap = [], []
-        for i, edge in enumerate(self.edges):
+        for i in edges:
+            edge = self.edges[i]
             rows, cols = edge.blocking.shape
             e = model.add_cols(
                 [f"e_{i}_{a}_{b}" for a in range(rows) for b in range(cols)],
@@ -297,14 +300,23 @@ class IntraOpIlp:
                 model.add_row(
                     np.concatenate([e[:, b], ks]), np.r_[np.ones(rows), -np.ones(len(ks))], 0.0, 0.0
                 )
-            blocking.append((e.ravel(), edge.blocking.ravel() * _MICROSECONDS))
-            overlap.append((e.ravel(), edge.overlap.ravel() * _MICROSECONDS))
-            blocking.append((e.ravel(), OVERLAP_PENALTY * edge.overlap.ravel() * _MICROSECONDS))
+            model.edge_cols[i] = e
+        return model, s
+
+    def _edge_terms(self, model: _Model) -> tuple[list, list]:
+        """(blocking, overlap) objective terms of the edge columns, each a (columns,
+        microseconds) pair of arrays."""
+        blocking, overlap = [], []
+        for i, edge in enumerate(self.edges):
+            e = model.edge_cols[i].ravel()
+            blocking.append((e, edge.blocking.ravel() * _MICROSECONDS))
+            overlap.append((e, edge.overlap.ravel() * _MICROSECONDS))
+            blocking.append((e, OVERLAP_PENALTY * edge.overlap.ravel() * _MICROSECONDS))
         return blocking, overlap
 
     def _time_problem(self) -> tuple[_Model, list[np.ndarray]]:
-        model, s = self._base_problem()
-        blocking, overlap = self._edge_terms(model, s)
+        model, s = self._base_problem(range(len(self.edges)))
+        blocking, overlap = self._edge_terms(model)
         compute = []
         for c, cost in enumerate(self.costs):
             direct = cost.compute + cost.blocking + OVERLAP_PENALTY * cost.overlap + cost.tie_break
@@ -325,8 +337,10 @@ class IntraOpIlp:
     def _add_memory_cut(self, model: _Model, s, step: int, bound: float, peak=None) -> _Cut:
         """Memory at `step` within `bound` MiB, or within the column `peak` where given."""
         per_class, const = self.memory.coefficients(step)
+        per_edge = self.memory.edge_coefficients(step)
         cols, coefs = _joined(
             [(s[c], np.asarray(coef, dtype=float) / _MIB) for c, coef in sorted(per_class.items())]
+            + [(model.edge_cols[i].ravel(), coef.ravel() / _MIB) for i, coef in per_edge.items()]
         )
         if peak is not None:
             cols, coefs = np.r_[cols, peak], np.r_[coefs, -1.0]
@@ -549,22 +563,27 @@ class IntraOpIlp:
         return float(self.memory.evaluate(self.least_memory_choices()).max())
 
     def least_memory_choices(self) -> np.ndarray:
-        """The choices (per class) of least peak memory per device, ignoring step time."""
-        model, s = self._base_problem()
-        (peak,) = model.add_cols(["peak_mib"], 0.0, np.inf, integer=False)
-        model.set_costs([peak], [1.0])
-        result = self._cut_loop(
-            model,
-            s,
-            lambda _, per_step, values: per_step.max() / _MIB <= values[peak] + 1e-6,
-            0.0,
-            {},
-            escalate=True,
-            peak=peak,
-        )
-        if result is None:
-            raise InfeasibleError("the sharding ILP has no solution even without a memory budget")
-        return result[0]
+        """The choices (per class) of least peak memory per device, ignoring step time:
+        searched once, the model does not change."""
+        if self._least is None:
+            model, s = self._base_problem(sorted(self.memory.copying_edges))
+            (peak,) = model.add_cols(["peak_mib"], 0.0, np.inf, integer=False)
+            model.set_costs([peak], [1.0])
+            result = self._cut_loop(
+                model,
+                s,
+                lambda _, per_step, values: per_step.max() / _MIB <= values[peak] + 1e-6,
+                0.0,
+                {},
+                escalate=True,
+                peak=peak,
+            )
+            if result is None:
+                raise InfeasibleError(
+                    "the sharding ILP has no solution even without a memory budget"
+                )
+            self._least = result[0]
+        return self._least
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -85,7 +85,7 @@ from autopar.planner.summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
-_BUDGET_CORRECTIONS = 3  # re-solves when resharded copies take a plan over its memory budget
+_BUDGET_CORRECTIONS = 3  # re-solves when the emission takes a plan over its memory budget
 # Storing a byte costs this fraction of moving it: breaks ties towards less memory.
 _STORAGE_TIE_BREAK = 1e-3
 TOP_OP_GROUPS = 8  # classes of op groups a stage plan lists in `op_costs`
@@ -332,6 +332,78 @@ def _whole_accumulators(problem: _Problem) -> list[tuple[int, None, np.ndarray, 
     return buffers
 
 
+def _copy_bytes(problem: _Problem, value: Value, aval, have: Spec, need: Spec | None) -> float:
+    """Bytes per device of the buffer a read of `value` stored as `have` takes as `need`: its
+    resharded copy; none for no resharding, a no-op (size-1 axes) or a slice inside the
+    reader's fusion."""
+    if need is None or need == have:
+        return 0.0
+    builder = problem.builder
+    _, moved = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
+    size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
+    same = size == builder.spec_bytes(aval.shape, aval.dtype.itemsize, have)
+    return 0.0 if moved == 0 and (same or value in problem.live.fused) else size
+
+
+def _copy_span(problem: _Problem, node_id: str, param_uses: Collection[str]) -> tuple[int, int]:
+    """The steps a resharded copy read by `node_id` lives: until the node runs; a parameter
+    gathered at its use (an alias of it, in `param_uses`) until that use's last reader."""
+    start = problem.live.step_of_node[node_id]
+    if node_id not in param_uses:
+        return start, start
+    return start, problem.live.last_use.get((node_id, 0), start)
+
+
+def _copies(problem: _Problem) -> list[tuple[int, np.ndarray, int, int]]:
+    """The resharded copies the edges' reads make: per read that copies for some pair of
+    choices, (edge, bytes per (producer spec, consumer need), first step, last step), as the
+    emission counts them (`_emit`)."""
+    grouping = problem.grouping
+    param_uses = {n.id for n in nodes_by_primitive(grouping.graph, PARAM_USE)}
+    found = []
+    for i, edge in enumerate(problem.edges):
+        aval = value_aval(grouping, edge.value)
+        for r, j in enumerate(edge.readers):
+            sizes = np.array(
+                [
+                    [_copy_bytes(problem, edge.value, aval, have, needs[r]) for needs in edge.needs]
+                    for have in edge.haves
+                ]
+            )
+            if sizes.any():
+                member = grouping.groups[edge.consumer].members[j]
+                found.append((i, sizes, *_copy_span(problem, member, param_uses)))
+    return found
+
+
+def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int, int]]:
+    """The resharded copies of values a group's members read from each other: per read that
+    copies under some choice, (group, None, bytes per choice, first step, last step)."""
+    grouping, builder = problem.grouping, problem.builder
+    param_uses = {n.id for n in nodes_by_primitive(grouping.graph, PARAM_USE)}
+    found = []
+    for group in grouping.groups:
+        menu = builder.menu(group)
+        for j, member in enumerate(group.members):
+            node = grouping.graph.node(member)
+            for pos, ref in enumerate(node.inputs):
+                value = grouping.value_of(ref)
+                if value is None or grouping.group_of_value(value) != group.index:
+                    continue
+                lv, aval = builder.local_value(group, value), node.in_avals[pos]
+                choices = zip(menu.strategies, menu.value_specs, strict=True)
+                sizes = np.array(
+                    [
+                        _copy_bytes(problem, value, aval, specs[lv], strategies[j].in_specs[pos])
+                        for strategies, specs in choices
+                    ]
+                )
+                if sizes.any():
+                    span = _copy_span(problem, member, param_uses)
+                    found.append((group.index, None, sizes, *span))
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Stash:
     """A pipeline stage's activations held by its other micro-batches in flight: the results of
@@ -349,6 +421,11 @@ class Stash:
 
 class _Memory:
     """Memory per step (arguments + outputs + live temporaries) as the ILP's `MemoryModel`.
+
+    Resharded copies are temporaries too, as the emission makes them: a copy inside a group
+    depends on the group's choice; one on an edge on both ends' choices, so the ILP carries
+    its bytes on the edge's variables (`MemoryModel.edge_coefficients`). Without them, a
+    GPT-39B layer's least memory was 12.7 GiB by the ILP and 18.9 GiB as emitted.
 
     With `depth` d, the program is one of d like layers of a pipeline stage: what each layer
     holds all step long (its state arguments, its gradient accumulated over micro-batches, a
@@ -402,14 +479,55 @@ class _Memory:
             held_all_step += [_value_bytes(problem, v) for v in sorted(gradients, key=str)]
             held_all_step += [(g, lv, sizes) for g, lv, sizes, _, _ in accumulators]
             self.always += [(g, lv, (depth - 1) * sizes) for g, lv, sizes in held_all_step]
+        # resharded copies: within groups (a choice's own), between them (an edge's)
+        self.internal = _internal_copies(problem)
+        self.copies = _copies(problem)
 
-    def evaluate_groups(self, group_choice: np.ndarray) -> np.ndarray:
+    def evaluate_groups(self, group_choice: np.ndarray, copies: bool = True) -> np.ndarray:
+        """Bytes per step of a choice per group; without `copies`, leaving out the resharded
+        copies (the emission counts those itself, as it emits them)."""
         steps = self.problem.live.num_steps
         base = sum(sizes[group_choice[g]] for g, _, sizes in self.always)
         if not steps:
             return np.array([base])
-        temps = ((sizes[group_choice[g]], start, end) for g, _, sizes, start, end in self.temps)
+        internal = self.internal if copies else []
+        temps = [
+            (sizes[group_choice[g]], start, end)
+            for g, _, sizes, start, end in (*self.temps, *internal)
+        ]
+        edges = self.problem.edges
+        temps += [
+            (
+                sizes[
+                    edges[i].producer_choice[group_choice[edges[i].producer]],
+                    edges[i].consumer_choice[group_choice[edges[i].consumer]],
+                ],
+                start,
+                end,
+            )
+            for i, sizes, start, end in (self.copies if copies else ())
+        ]
         return base + live_bytes(steps, temps)
+
+    def model(self, edge_class_of: Sequence[int]) -> MemoryModel:
+        """This memory as the ILP's model, with the edges merged into classes as
+        `edge_class_of` (edge -> edge class) says."""
+
+        def edge_coefficients(step: int) -> dict[int, np.ndarray]:
+            per_edge: dict[int, np.ndarray] = {}
+            for i, sizes, start, end in self.copies:
+                if start <= step <= end:
+                    c = edge_class_of[i]
+                    per_edge[c] = per_edge.get(c, 0) + sizes
+            return per_edge
+
+        return MemoryModel(
+            self.evaluate,
+            self.coefficients,
+            self.floor(),
+            edge_coefficients,
+            frozenset(edge_class_of[i] for i, *_ in self.copies),
+        )
 
     def evaluate(self, class_choice: np.ndarray) -> np.ndarray:
         return self.evaluate_groups(class_choice[self.cls])
@@ -424,7 +542,7 @@ class _Memory:
         for g, _, sizes in self.always:
             c = self.cls[g]
             per_class[c] = per_class.get(c, 0) + sizes
-        for g, _, sizes, start, end in self.temps:
+        for g, _, sizes, start, end in (*self.temps, *self.internal):
             if start <= step <= end:
                 c = self.cls[g]
                 per_class[c] = per_class.get(c, 0) + sizes
@@ -433,8 +551,9 @@ class _Memory:
 
 def _class_inputs(
     problem: _Problem, memory_sizes: dict[int, np.ndarray], bandwidth: float
-) -> tuple[list[int], list[ClassCosts], list[EdgeClass]]:
-    """Per-class costs and edges: groups of one class summed (they share variables)."""
+) -> tuple[list[int], list[ClassCosts], list[EdgeClass], list[int]]:
+    """Per-class costs and edges: groups of one class summed (they share variables); and each
+    edge's edge class."""
     groups = problem.grouping.groups
     num_choices = [0] * problem.num_classes
     costs: list[ClassCosts | None] = [None] * problem.num_classes
@@ -456,6 +575,8 @@ def _class_inputs(
                 for k, spec in enumerate(specs)
             ]
     merged: dict[tuple, EdgeClass] = {}
+    edge_class_of = []  # per edge, its class's position in `merged`
+    position: dict[tuple, int] = {}
     for edge in problem.edges:
         h, g = groups[edge.producer].cls, groups[edge.consumer].cls
         key = (
@@ -465,20 +586,20 @@ def _class_inputs(
             edge.consumer_choice.tobytes(),
             edge.costs.blocking.shape,
         )
-        found = merged.get(key)
-        if found is None:
+        if key not in merged:
+            position[key] = len(merged)
             merged[key] = EdgeClass(
                 h,
                 g,
                 edge.producer_choice,
                 edge.consumer_choice,
-                edge.costs.blocking.copy(),
-                edge.costs.overlap.copy(),
+                np.zeros_like(edge.costs.blocking),
+                np.zeros_like(edge.costs.overlap),
             )
-        else:
-            found.blocking += edge.costs.blocking
-            found.overlap += edge.costs.overlap
-    return num_choices, costs, list(merged.values())
+        merged[key].blocking += edge.costs.blocking
+        merged[key].overlap += edge.costs.overlap
+        edge_class_of.append(position[key])
+    return num_choices, costs, list(merged.values()), edge_class_of
 
 
 def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuilder) -> list[Edge]:
@@ -533,14 +654,14 @@ class ShardingProblem:
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
         self.problem = _build(program, mesh, cluster, config, num_micro_batches)
         self.memory = _Memory(self.problem, stash)
-        num_choices, costs, self.edges = _class_inputs(
+        num_choices, costs, self.edges, self.edge_class_of = _class_inputs(
             self.problem, self.memory.input_sizes, max(mesh.bandwidths)
         )
         self.ilp = IntraOpIlp(
             num_choices,
             costs,
             self.edges,
-            MemoryModel(self.memory.evaluate, self.memory.coefficients, self.memory.floor()),
+            self.memory.model(self.edge_class_of),
             solver=config.solver,
             time_limit_s=config.time_limit_s,
             relative_gap=config.relative_gap,
@@ -565,7 +686,7 @@ class ShardingProblem:
             self.ilp.num_choices,
             self.ilp.costs,
             self.ilp.edges,
-            MemoryModel(memory.evaluate, memory.coefficients, memory.floor()),
+            memory.model(self.edge_class_of),
             solver=self.ilp.solver,
             time_limit_s=self.ilp.time_limit_s,
             relative_gap=self.ilp.relative_gap,
@@ -587,13 +708,13 @@ class ShardingProblem:
 
     def candidate(self, budget: float, correct: bool = False) -> Candidate | None:
         """A candidate to price, such as a pipeline layer: the ILP's fastest plan within
-        `budget` by its own memory model, whatever its resharded copies add (the plan's
-        prediction counts them), so no corrections' extra solves; None where none fits. With
-        `correct`, one whose copies take it over `budget` is asked for less by its excess,
-        once. Where the ILP finds none in its time limit, or none when asked for less, the
-        plan of least memory stands in if it fits: a layer that fits must not drop out of a
-        stage search because its ILP ran out of time. Its ILP may stop at the time limit by
-        design, so it does not warn when it does."""
+        `budget` by its own memory model, whatever the emission adds (the plan's prediction
+        counts it), so no corrections' extra solves; None where none fits. With `correct`,
+        one that the emission takes over `budget` is asked for less by its excess, once. Where
+        the ILP finds none in its time limit, or none when asked for less, the plan of least
+        memory stands in if it fits: a layer that fits must not drop out of a stage search
+        because its ILP ran out of time. Its ILP may stop at the time limit by design, so it
+        does not warn when it does."""
         began = time.perf_counter()
         found = self._emitted(budget, began + self.ilp.time_limit_s, None)
         excess = -math.inf if found is None else found[3].memory_per_device_bytes - budget
@@ -668,7 +789,7 @@ class ShardingProblem:
         logger.debug("shard_parallel plan made in %.2f s (ILP built and solved)", elapsed)
         # Timings stay out of the plan: the same program and options give the same plan.
         if solution is None:
-            outcome = "the least-memory plan (the faster ones' resharded copies do not fit)"
+            outcome = "the least-memory plan (the faster ones do not fit as emitted)"
         else:
             outcome = "optimal" if solution.optimal else "time limit hit, best found"
         note = f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
@@ -708,14 +829,14 @@ class ShardingProblem:
     ) -> tuple[Solution | None, np.ndarray, StagePlan, Predicted] | None:
         """The fastest plan found whose emitted memory fits `budget` (None: none does).
 
-        The ILP does not see resharded copies (gathered parameters), so its plan may not fit as
-        emitted: it is asked for less by the excess, a few times (like plans have like copies).
-        Where that fails with gradients reduced once from whole accumulators in the menus (their
-        plans may gather more than the ILP sees), it is tried again without them; the pass after
-        the ILP adds those that fit (`_scatter_once`). The plan of least memory is the last
-        resort, also where the ILP runs out of time before any plan (a memory-bound stage of
-        GPT-39B did, and was refused though 13.1 of its 14.9 GiB would do), so None means
-        nothing fits. The solves share `deadline`."""
+        The ILP's memory counts resharded copies (`_copies`), but not all the emission adds
+        (gradients it reduces once per step hold whole accumulators), so its plan may not fit
+        as emitted: it is asked for less by the excess, a few times. Where that fails with
+        gradients reduced once from whole accumulators in the menus, it is tried again without
+        them; the pass after the ILP adds those that fit (`_scatter_once`). The plan of least
+        memory is the last resort, also where the ILP runs out of time before any plan (a
+        memory-bound stage of GPT-39B did, and was refused though 13.1 of its 14.9 GiB would
+        do), so None means nothing fits. The solves share `deadline`."""
         twins = self._whole_accumulator_choices()
         for forbidden in (None, twins) if twins else (None,):
             target = budget
@@ -774,7 +895,7 @@ class ShardingProblem:
     def _least_memory_plan(self) -> tuple[np.ndarray, StagePlan, Predicted]:
         """The choices (per group) of least memory as emitted, and their plan: of the ILP's
         least-memory choices and the fastest plan within that memory (many choices tie on the
-        ILP's memory; their resharded copies, which it does not see, differ)."""
+        ILP's memory; what the emission adds may differ)."""
         if self._least is None:
             least = self.ilp.least_memory_choices()
             candidates = [least]
@@ -789,7 +910,7 @@ class ShardingProblem:
 
     def least_memory(self) -> float:
         """The least memory per device any plan of this problem needs, as emitted: what the ILP
-        finds least, with the resharded copies it does not see."""
+        finds least, with what the emission adds."""
         return self._least_memory_plan()[2].memory_per_device_bytes
 
     def over_budget(self, budget: float, least: float | None = None) -> MemoryBudgetError:
@@ -946,7 +1067,7 @@ def _emit(
     flops = 0.0
     resharded: set[tuple] = set()
     reshard_temps = np.zeros(problem.live.num_steps + 1)  # differences: + at start, - after end
-    aliases = {n.id for n in nodes_by_primitive(graph, PARAM_USE)}
+    param_uses = {n.id for n in nodes_by_primitive(graph, PARAM_USE)}
     for node in graph.nodes:
         if node.id not in grouping.group_of_node:  # transparent: outputs are its operands
             node_outputs[node.id] = tuple(
@@ -987,21 +1108,15 @@ def _emit(
             # A pipeline stage's forward and backward parts are separate executables: each
             # reshards a value that both read.
             part = None if memory.num_forward is None else top_eqn(node.id) < memory.num_forward
-            key = node.id if node.id in aliases else (value, need, node.remat_region, part)
+            key = node.id if node.id in param_uses else (value, need, node.remat_region, part)
             seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
             if key not in resharded:
                 resharded.add(key)
                 from_input = grouping.groups[grouping.group_of_value(value)].is_input
                 hidden = from_input and builder.overlaps
                 totals.add_comm((), weight * seconds, weight * nbytes, hidden)
-            size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
-            same = size == builder.spec_bytes(aval.shape, aval.dtype.itemsize, have)
-            if nbytes == 0 and (same or value in problem.live.fused):
-                continue  # no buffer: a no-op (size-1 axes), or a slice inside the reader's fusion
-            # The resharded copy lives until the node runs; a parameter gathered at its use
-            # (an alias of it) lives until that use's last reader.
-            start = problem.live.step_of_node[node.id]
-            end = problem.live.last_use.get((node.id, 0), start) if node.id in aliases else start
+            size = _copy_bytes(problem, value, aval, have, need)
+            start, end = _copy_span(problem, node.id, param_uses)
             reshard_temps[start] += size
             reshard_temps[end + 1] -= size
         after = totals.at(())
@@ -1066,7 +1181,8 @@ def _emit(
         ),
     )
     compute, blocking, overlap, comm_bytes = totals.at(())
-    per_step = memory.evaluate_groups(choice) + np.cumsum(reshard_temps)[: problem.live.num_steps]
+    per_step = memory.evaluate_groups(choice, copies=False)
+    per_step = per_step + np.cumsum(reshard_temps)[: problem.live.num_steps]
     peak = float(per_step.max()) if len(per_step) else 0.0
     inputs = sum(
         builder.spec_bytes(a.shape, a.dtype.itemsize, spec)

@@ -105,6 +105,11 @@ class Edge:
     producer_choice: np.ndarray  # producer's choice k -> row a
     consumer_choice: np.ndarray  # consumer's choice k -> column b
     costs: Costs  # matrices [a, b]
+    value: Value
+    haves: list[Spec]  # row a: the producer's spec of the value
+    needs: list[tuple[Spec | None, ...]]  # column b: the spec each read needs
+    readers: tuple[int, ...]  # each read's consumer member; () for an output stored like its
+    # input (`intra._alias_edges`), which no node reads
 
 
 class MenuBuilder:
@@ -399,7 +404,7 @@ class MenuBuilder:
                         readers.setdefault(key, []).append((value, j, pos, weight))
         edges = []
         for (producer, value, consumer), reads in readers.items():
-            edge = self._edge(producer, value, consumer, tuple(reads))
+            edge = self._edge(producer, value, consumer, reads)
             if edge is not None:
                 edges.append(edge)
         return edges
@@ -410,7 +415,9 @@ class MenuBuilder:
             tuple(menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
             for k in range(len(menu))
         ]
-        return self.reshard_edge(producer, value, consumer, needs, [w for *_, w in reads])
+        weights = [w for *_, w in reads]
+        readers = tuple(j for _, j, _, _ in reads)
+        return self.reshard_edge(producer, value, consumer, needs, weights, readers)
 
     def reshard_edge(
         self,
@@ -419,9 +426,11 @@ class MenuBuilder:
         consumer: int,
         needs: list[tuple[Spec | None, ...]],
         weights: Sequence[float],
+        readers: tuple[int, ...] = (),
     ) -> Edge | None:
         """The edge where the consumer's choice k needs `value` as each spec in `needs[k]`
-        (one per read, with its weight); None if no pair of choices costs anything."""
+        (one per read, with its weight, by the consumer's members `readers`); None if no pair
+        of choices costs anything."""
         h = self.grouping.groups[producer]
         lv = self.local_value(h, value)
         rows, row_of = _index([specs[lv] for specs in self.menu(h).value_specs])
@@ -437,7 +446,7 @@ class MenuBuilder:
                         costs.add_comm((a, b), weight * seconds, weight * nbytes, hidden)
         if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
             return None
-        return Edge(producer, consumer, row_of, col_of, costs)
+        return Edge(producer, consumer, row_of, col_of, costs, value, rows, cols, readers)
 
 
 def _index(items: list) -> tuple[list, np.ndarray]:

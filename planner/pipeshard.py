@@ -450,7 +450,7 @@ class LayerCosts:
             stash = Stash(plans.stage.num_forward, shape.depth * shape.flight - 1)
             problem = plans.problem.stacked(shape.depth, stash)
             budget = STACK_SHARE * self.device_memory
-        # the ILP does not see resharded copies: a squeezed plan they take over is corrected
+        # a squeezed plan that the emission takes over the budget is corrected
         found = problem.candidate(budget, correct=level > 0)
         logger.debug(
             "layers %s on mesh %s as 1 of %d with %d micro-batch(es) in flight, within %.3g "

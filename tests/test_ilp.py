@@ -1,7 +1,7 @@
 """The intra-op ILP against brute force: random small models (classes, resharding edges with
-blocking and overlappable costs, a memory model per step), solved by HiGHS (the model handed
-over as arrays) and by CBC (through PuLP), must reach the least objective of every assignment
-that fits the budget, and the least peak memory."""
+blocking and overlappable costs, a memory model per step with resharded copies on some edges),
+solved by HiGHS (the model handed over as arrays) and by CBC (through PuLP), must reach the least
+objective of every assignment that fits the budget, and the least peak memory."""
 
 import itertools
 
@@ -36,13 +36,37 @@ def _random_model(seed: int):
     steps = 5
     coef = [[rng.random(n) * 2**20 for n in num_choices] for _ in range(steps)]
     const = rng.random(steps) * 2**20
+    # resharded copies: bytes per (producer spec, consumer need) of some edges at some steps
+    copies = [
+        {i: some(e.blocking.size).reshape(e.blocking.shape) * 2**21 for i, e in enumerate(edges)}
+        if rng.random() < 0.5
+        else {}
+        for _ in range(steps)
+    ]
 
     def evaluate(choices):
+        def copied(t):
+            return sum(
+                m[
+                    edges[i].row_of[choices[edges[i].producer]],
+                    edges[i].col_of[choices[edges[i].consumer]],
+                ]
+                for i, m in copies[t].items()
+            )
+
         return np.array(
-            [const[t] + sum(coef[t][c][k] for c, k in enumerate(choices)) for t in range(steps)]
+            [
+                const[t] + sum(coef[t][c][k] for c, k in enumerate(choices)) + copied(t)
+                for t in range(steps)
+            ]
         )
 
-    memory = MemoryModel(evaluate, lambda t: (dict(enumerate(coef[t])), float(const[t])))
+    memory = MemoryModel(
+        evaluate,
+        lambda t: (dict(enumerate(coef[t])), float(const[t])),
+        edge_coefficients=lambda t: copies[t],
+        copying_edges=frozenset(i for per_step in copies for i in per_step),
+    )
     return num_choices, costs, edges, memory
 
 

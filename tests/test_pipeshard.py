@@ -422,7 +422,7 @@ def test_a_layer_whose_ilp_finds_no_plan_in_time_falls_back_on_its_least_memory_
     monkeypatch,
 ):
     """A candidate ILP that stops at its time limit without a plan, or whose plan asked for less
-    by its resharded copies finds none, does not drop a layer that fits out of the stage search:
+    by what the emission adds finds none, does not drop a layer that fits out of the stage search:
     its least-memory plan stands in where it fits the budget, and only there (not where the ILP
     proved that none fits)."""
     traced, parts, _ = _auto_stage_parts()

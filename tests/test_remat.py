@@ -130,7 +130,8 @@ def test_stage_search_recomputes_layers_only_where_no_stage_plan_fits(gpu_costs)
     step, state, batch = abstract_train_inputs(mlp, WIDE_BATCH_MLP, 8192)
     roomy = autopar.plan(step, state, batch, method=_searched_stages(2**40))
     assert roomy.tracing.layer_option["remat_mode"] == "auto"
-    tight = 0.9 * roomy.predicted.memory_per_device_bytes
+    # 0.9 of it fits as the step is: the ILP sees the copies its resharding makes
+    tight = 0.75 * roomy.predicted.memory_per_device_bytes
     with pytest.raises(autopar.MemoryBudgetError):
         autopar.plan(step, state, batch, method=_searched_stages(tight, "none"))
     plan = autopar.plan(step, state, batch, method=_searched_stages(tight))
