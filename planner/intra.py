@@ -203,6 +203,21 @@ class _Problem:
     chains: list[GradientChain]  # with micro-batches: the gradients that may be reduced once
     grad_end: int  # the last step of the gradient part (accumulators live until then)
 
+    @functools.cached_property
+    def param_uses(self) -> frozenset[str]:
+        """The parameter-use markers: a parameter gathered there is an alias of it."""
+        return frozenset(n.id for n in nodes_by_primitive(self.grouping.graph, PARAM_USE))
+
+    @functools.cached_property
+    def copies(self) -> list[tuple[int, np.ndarray, int, int]]:
+        """`_copies`, found once for every memory model of this problem (stacked ones too)."""
+        return _copies(self)
+
+    @functools.cached_property
+    def internal_copies(self) -> list[tuple[int, None, np.ndarray, int, int]]:
+        """`_internal_copies`, found once like `copies`."""
+        return _internal_copies(self)
+
 
 def _forced_batch_axis(mesh: LogicalMesh, config: IntraOpConfig) -> int | None:
     """The mesh axis the batch dim is forced onto; None when free (no option, or an axis of
@@ -345,11 +360,11 @@ def _copy_bytes(problem: _Problem, value: Value, aval, have: Spec, need: Spec | 
     return 0.0 if moved == 0 and (same or value in problem.live.fused) else size
 
 
-def _copy_span(problem: _Problem, node_id: str, param_uses: Collection[str]) -> tuple[int, int]:
+def _copy_span(problem: _Problem, node_id: str) -> tuple[int, int]:
     """The steps a resharded copy read by `node_id` lives: until the node runs; a parameter
-    gathered at its use (an alias of it, in `param_uses`) until that use's last reader."""
+    gathered at its use (an alias of it) until that use's last reader."""
     start = problem.live.step_of_node[node_id]
-    if node_id not in param_uses:
+    if node_id not in problem.param_uses:
         return start, start
     return start, problem.live.last_use.get((node_id, 0), start)
 
@@ -359,7 +374,6 @@ def _copies(problem: _Problem) -> list[tuple[int, np.ndarray, int, int]]:
     choices, (edge, bytes per (producer spec, consumer need), first step, last step), as the
     emission counts them (`_emit`)."""
     grouping = problem.grouping
-    param_uses = {n.id for n in nodes_by_primitive(grouping.graph, PARAM_USE)}
     found = []
     for i, edge in enumerate(problem.edges):
         aval = value_aval(grouping, edge.value)
@@ -372,7 +386,7 @@ def _copies(problem: _Problem) -> list[tuple[int, np.ndarray, int, int]]:
             )
             if sizes.any():
                 member = grouping.groups[edge.consumer].members[j]
-                found.append((i, sizes, *_copy_span(problem, member, param_uses)))
+                found.append((i, sizes, *_copy_span(problem, member)))
     return found
 
 
@@ -380,7 +394,6 @@ def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int
     """The resharded copies of values a group's members read from each other: per read that
     copies under some choice, (group, None, bytes per choice, first step, last step)."""
     grouping, builder = problem.grouping, problem.builder
-    param_uses = {n.id for n in nodes_by_primitive(grouping.graph, PARAM_USE)}
     found = []
     for group in grouping.groups:
         menu = builder.menu(group)
@@ -399,7 +412,7 @@ def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int
                     ]
                 )
                 if sizes.any():
-                    span = _copy_span(problem, member, param_uses)
+                    span = _copy_span(problem, member)
                     found.append((group.index, None, sizes, *span))
     return found
 
@@ -480,8 +493,8 @@ class _Memory:
             held_all_step += [(g, lv, sizes) for g, lv, sizes, _, _ in accumulators]
             self.always += [(g, lv, (depth - 1) * sizes) for g, lv, sizes in held_all_step]
         # resharded copies: within groups (a choice's own), between them (an edge's)
-        self.internal = _internal_copies(problem)
-        self.copies = _copies(problem)
+        self.internal = problem.internal_copies
+        self.copies = problem.copies
 
     def evaluate_groups(self, group_choice: np.ndarray, copies: bool = True) -> np.ndarray:
         """Bytes per step of a choice per group; without `copies`, leaving out the resharded
@@ -574,9 +587,9 @@ def _class_inputs(
                 sizes[k] / bandwidth if problem.inputs.penalised(g.leader, spec[(-1, 0)]) else 0.0
                 for k, spec in enumerate(specs)
             ]
-    merged: dict[tuple, EdgeClass] = {}
-    edge_class_of = []  # per edge, its class's position in `merged`
-    position: dict[tuple, int] = {}
+    merged: list[EdgeClass] = []
+    position: dict[tuple, int] = {}  # an edge class's key -> its index in `merged`
+    edge_class_of = []  # per edge, its class's index
     for edge in problem.edges:
         h, g = groups[edge.producer].cls, groups[edge.consumer].cls
         key = (
@@ -586,20 +599,17 @@ def _class_inputs(
             edge.consumer_choice.tobytes(),
             edge.costs.blocking.shape,
         )
-        if key not in merged:
+        if key not in position:
             position[key] = len(merged)
-            merged[key] = EdgeClass(
-                h,
-                g,
-                edge.producer_choice,
-                edge.consumer_choice,
-                np.zeros_like(edge.costs.blocking),
-                np.zeros_like(edge.costs.overlap),
+            zeros = np.zeros_like(edge.costs.blocking)
+            merged.append(
+                EdgeClass(h, g, edge.producer_choice, edge.consumer_choice, zeros, zeros.copy())
             )
-        merged[key].blocking += edge.costs.blocking
-        merged[key].overlap += edge.costs.overlap
+        found = merged[position[key]]
+        found.blocking += edge.costs.blocking
+        found.overlap += edge.costs.overlap
         edge_class_of.append(position[key])
-    return num_choices, costs, list(merged.values()), edge_class_of
+    return num_choices, costs, merged, edge_class_of
 
 
 def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuilder) -> list[Edge]:
@@ -1067,7 +1077,6 @@ def _emit(
     flops = 0.0
     resharded: set[tuple] = set()
     reshard_temps = np.zeros(problem.live.num_steps + 1)  # differences: + at start, - after end
-    param_uses = {n.id for n in nodes_by_primitive(graph, PARAM_USE)}
     for node in graph.nodes:
         if node.id not in grouping.group_of_node:  # transparent: outputs are its operands
             node_outputs[node.id] = tuple(
@@ -1108,7 +1117,9 @@ def _emit(
             # A pipeline stage's forward and backward parts are separate executables: each
             # reshards a value that both read.
             part = None if memory.num_forward is None else top_eqn(node.id) < memory.num_forward
-            key = node.id if node.id in param_uses else (value, need, node.remat_region, part)
+            key = (value, need, node.remat_region, part)
+            if node.id in problem.param_uses:
+                key = node.id
             seconds, nbytes = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
             if key not in resharded:
                 resharded.add(key)
@@ -1116,7 +1127,7 @@ def _emit(
                 hidden = from_input and builder.overlaps
                 totals.add_comm((), weight * seconds, weight * nbytes, hidden)
             size = _copy_bytes(problem, value, aval, have, need)
-            start, end = _copy_span(problem, node.id, param_uses)
+            start, end = _copy_span(problem, node.id)
             reshard_temps[start] += size
             reshard_temps[end + 1] -= size
         after = totals.at(())
