@@ -905,12 +905,16 @@ class ShardingProblem:
     def _least_memory_plan(self) -> tuple[np.ndarray, StagePlan, Predicted]:
         """The choices (per group) of least memory as emitted, and their plan: of the ILP's
         least-memory choices and the fastest plan within that memory (many choices tie on the
-        ILP's memory; what the emission adds may differ)."""
+        ILP's memory; what the emission adds may differ). The search for the fastest starts
+        from the least-memory choices, so it has a plan from the outset: at the tightest budget
+        a solve from nothing can run out of time before its first (GPT-39B's squeezed layers
+        did, twice the time limit each)."""
         if self._least is None:
             least = self.ilp.least_memory_choices()
             candidates = [least]
             with contextlib.suppress(MemoryBudgetError):
-                fastest = self.ilp.solve(float(self.memory.evaluate(least).max()))
+                budget = float(self.memory.evaluate(least).max())
+                fastest = self.ilp.solve(budget, start=dict(enumerate(least.tolist())))
                 if fastest is not None:
                     candidates.append(fastest.choices)
             emit = functools.partial(_emit, self.program, self.problem, self.mesh_plan)

@@ -15,6 +15,7 @@ batch-dependent count (a weighted mean over padded tokens).
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 
@@ -231,15 +232,25 @@ def _rewrite(jaxpr: Jaxpr, b: int, hoisted: Sequence[int], value_of: dict) -> Ja
     read_later = {v for e in rest for v in e.invars if isinstance(v, Var)}
     read_later.update(v for v in jaxpr.outvars if isinstance(v, Var))
     exported = [v for i in hoisted for v in eqns[i].outvars if v in read_later]
-    before = [e for i, e in enumerate(eqns) if i < b and i not in hoisted_set]
+    # Each eqn before the boundary gets a sort key: (i,) for the one at i, and key + (-n,) for
+    # the n-th placed right after the eqn of that key, so the latest placed comes first, as
+    # inserting into the list would place it (without a list's O(n) search per hoisted eqn).
+    before = [(i,) for i in range(b) if i not in hoisted_set]
+    eqn_at = {key: eqns[key[0]] for key in before}
+    key_of = {v: key for key in before for v in eqn_at[key].outvars}
+    placed_after: collections.Counter = collections.Counter()
     for i in hoisted:
-        eqn = eqns[i]
-        eqn = eqn.replace(
-            invars=[value_of.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
+        eqn = eqns[i].replace(
+            invars=[value_of.get(v, v) if isinstance(v, Var) else v for v in eqns[i].invars]
         )
-        produced = {v: k for k, e in enumerate(before) for v in e.outvars}
-        after = [produced[v] for v in eqn.invars if isinstance(v, Var) and v in produced]
-        before.insert(max(after, default=-1) + 1, eqn)
+        after = max(
+            (key_of[v] for v in eqn.invars if isinstance(v, Var) and v in key_of), default=(-1,)
+        )
+        placed_after[after] += 1
+        key = (*after, -placed_after[after])
+        eqn_at[key] = eqn
+        key_of.update((v, key) for v in eqn.outvars)
+    before = [eqn_at[key] for key in sorted(eqn_at)]
     fresh = {v: Var(v.aval) for v in exported}
     new_boundary = boundary.replace(
         invars=[*boundary.invars, *exported],

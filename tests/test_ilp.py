@@ -4,6 +4,7 @@ solved by HiGHS (the model handed over as arrays) and by CBC (through PuLP), mus
 objective of every assignment that fits the budget, and the least peak memory."""
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -152,3 +153,43 @@ def test_a_budget_under_the_memory_floor_is_answered_without_a_solve(monkeypatch
 
     monkeypatch.setattr(IntraOpIlp, "_solve", unexpected)
     assert ilp.solve(least - 1.0) is None
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_rounds_out_of_time_take_the_lp_relaxation_rounded(seed, solver, monkeypatch):
+    """Past its deadline, a cut round runs no MIP: it rounds the LP relaxation (the MIP's
+    first plan only where the rounding breaks a memory cut), and what it answers fits."""
+    num_choices, costs, edges, memory = _random_model(seed)
+    every = list(itertools.product(*(range(n) for n in num_choices)))
+    peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
+    least, most = min(peaks.values()), max(peaks.values())
+    solves = []
+    solve = IntraOpIlp._solve
+
+    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
+        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
+        return solve(self, model, closed, limit, start, relaxed, first_plan)
+
+    monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
+    ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver)
+    for budget in (most, (least + most) / 2):
+        solution = ilp.solve(budget, deadline=time.perf_counter() - 1.0)
+        assert solution is not None and not solution.optimal
+        assert peaks[tuple(int(k) for k in solution.choices)] <= budget * (1 + 1e-9)
+    assert "mip" not in solves and solves[0] == "relaxed"
+    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s == "first plan")
+
+
+def test_a_rounding_that_breaks_a_cut_takes_the_leanest_choice_of_each_split_class():
+    """Where the relaxation's largest shares hold too much at a cut step, each class it splits
+    is rounded to the choice of its split that holds least there; classes it does not split,
+    or that hold nothing there, keep their largest share."""
+    held = {0: np.array([10.0, 1.0, 0.5]), 1: np.array([5.0, 1.0])}  # class -> bytes per choice
+    memory = MemoryModel(lambda choices: np.zeros(1), lambda step: (held, 0.0))
+    zeros = [np.zeros(n) for n in (3, 2, 2)]
+    costs = [ClassCosts(z, z, z, z) for z in zeros]
+    ilp = IntraOpIlp([3, 2, 2], costs, [], memory)
+    shares = [np.array([0.6, 0.4, 0.0]), np.array([1.0, 0.0]), np.array([0.7, 0.3])]
+    argmax = np.array([0, 0, 0])
+    assert ilp._leaner(argmax, shares, [0]).tolist() == [1, 0, 0]

@@ -381,15 +381,16 @@ def test_a_budget_the_ilp_cannot_meet_is_answered_without_the_least_memory_plan(
 
 def test_an_ilp_out_of_time_before_any_plan_falls_back_to_the_least_memory_plan(monkeypatch):
     """Where the ILP runs out of time before any plan under a budget the least-memory plan fits
-    (a memory-bound stage's MIP can), `solve` answers with that plan, not "nothing fits"."""
+    (a memory-bound stage's MIP can), and its LP relaxation gives none to round either, `solve`
+    answers with that plan, not "nothing fits"."""
     problem = _layer_problem((1, 2))
     budget = 2 * problem.least_memory()
     solve = ilp_module.IntraOpIlp._solve
 
-    def out_of_time(self, model, closed, time_limit_s, start):
+    def out_of_time(self, model, closed, time_limit_s, start, **kind):
         if "peak_mib" in model.names:  # the least-memory search still solves
-            return solve(self, model, closed, time_limit_s, start)
-        return ilp_module._Status.NO_SOLUTION, None
+            return solve(self, model, closed, time_limit_s, start, **kind)
+        return ilp_module._Status.NO_SOLUTION, None  # nor its LP relaxation, to round
 
     monkeypatch.setattr(ilp_module.IntraOpIlp, "_solve", out_of_time)
     plan = problem.solve(budget)

@@ -207,27 +207,31 @@ def test_memory_cut_loop_ends_where_the_peak_keeps_moving(solver):
 
 
 def test_memory_cut_rounds_share_the_time_limit(monkeypatch):
-    """time_limit_s bounds a solve, not each of its rounds of memory cuts: where every round
-    takes all the time it is given, the rounds after the first get a quarter of the limit, and
-    the plan still fits."""
+    """time_limit_s bounds a solve, not each of its rounds of memory cuts: where every solve
+    takes all the time it is given, the first round's MIP takes the whole limit, the rounds
+    after it run no MIP but round the LP relaxation (a first-plan MIP only after a rounding
+    that breaks a cut), and the plan still fits."""
     ilp = _gpt_problem(GPT, BATCH, autopar.ClusterSpec.local(8)).ilp
     least = ilp.least_memory()
     peak = float(ilp.memory.evaluate(ilp.solve(1e12).choices).max())
     ilp = _gpt_problem(GPT, BATCH, autopar.ClusterSpec.local(8), time_limit_s=8.0).ilp
-    clock, limits = [0.0], []
+    clock, solves = [0.0], []
     solve_for_real = ilp._solve
 
-    def solve_taking_all_the_time(model, closed, time_limit_s, start):
-        limits.append(time_limit_s)
+    def solve_taking_all_the_time(model, closed, time_limit_s, start, **kind):
+        solves.append((time_limit_s, kind.get("relaxed", False), kind.get("first_plan", False)))
         clock[0] += time_limit_s
-        return solve_for_real(model, closed, time_limit_s, start)
+        return solve_for_real(model, closed, time_limit_s, start, **kind)
 
     monkeypatch.setattr(ilp, "_solve", solve_taking_all_the_time)
     monkeypatch.setattr(ilp_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     budget = (least + peak) / 2
     solution = ilp.solve(budget)
-    assert solution is not None and solution.rounds >= 2
-    assert limits == [8.0] + [2.0] * (solution.rounds - 1)
+    assert solution is not None and solution.rounds >= 2 and not solution.optimal
+    assert solves[0] == (8.0, False, False)  # the first round's MIP, within the whole limit
+    later = solves[1:]
+    assert later and later[0][1] and all(relaxed or first for _, relaxed, first in later)
+    assert all(later[i - 1][1] for i, (_, _, first) in enumerate(later) if first)
     assert ilp.memory.evaluate(solution.choices).max() <= budget
 
 
