@@ -497,7 +497,7 @@ class IntraOpIlp:
             self.out_of_time = status is _Status.NO_SOLUTION
             if values is None:
                 return None
-            choices = np.array([int(np.argmax(values[cols])) for cols in s])
+            choices = _largest_shares(s, values)
             optimal = optimal and status is _Status.OPTIMAL
             per_step = self.memory.evaluate(choices)
             worst = [int(t) for t in np.argsort(-per_step, kind="stable") if int(t) not in cut]
@@ -530,7 +530,7 @@ class IntraOpIlp:
             return status, None  # an infeasible relaxation proves the MIP infeasible
         if status is not _Status.OPTIMAL:
             return _Status.NO_SOLUTION, None
-        choices = np.array([int(np.argmax(values[cols])) for cols in s])
+        choices = _largest_shares(s, values)
         held = self._cut_memory(choices, cut)
         if peak is None and (held > bound + _ROUNDING_SLACK_MIB).any():
             over = [t for t, mib in zip(cut, held, strict=True) if mib > bound]
@@ -539,9 +539,8 @@ class IntraOpIlp:
             if (held > bound + _ROUNDING_SLACK_MIB).any():
                 return _Status.NO_SOLUTION, None
         rounded = values.copy()
-        for cols, k in zip(s, choices, strict=True):
-            rounded[cols] = 0.0
-            rounded[cols[k]] = 1.0
+        one_hot = _one_hot(s, dict(enumerate(choices.tolist())))
+        rounded[list(one_hot)] = list(one_hot.values())
         if peak is not None:
             rounded[peak] = held.max()
         return _Status.FEASIBLE, rounded
@@ -678,6 +677,11 @@ class _Cut:
 
     row: int
     const: float
+
+
+def _largest_shares(s: Sequence[np.ndarray], values: np.ndarray) -> np.ndarray:
+    """Per class, the choice its columns in `values` give the most of (the one at 1 in a plan)."""
+    return np.array([int(np.argmax(values[cols])) for cols in s])
 
 
 def _one_hot(s: Sequence[np.ndarray], choices: Mapping[int, int]) -> dict[int, float]:
