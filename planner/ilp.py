@@ -78,7 +78,8 @@ class _Status(enum.Enum):
     """How one solve ended; the value is what the debug log says."""
 
     OPTIMAL = "optimal"
-    FEASIBLE = "time limit hit"  # stopped at a limit with a plan (or the LP's rounded)
+    FEASIBLE = "time limit hit"  # stopped at a limit with a plan
+    ROUNDED = "LP relaxation rounded"  # a plan from the relaxation (`IntraOpIlp._rounded`)
     NO_SOLUTION = "no plan yet"  # stopped at the limit before any plan
     INFEASIBLE = "no plan"
 
@@ -254,6 +255,7 @@ class IntraOpIlp:
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
         relative_gap: float | None = None,
         presolve: bool = True,
+        round_relaxation: bool = False,
     ) -> None:
         self.num_choices = list(num_choices)
         self.costs = costs
@@ -263,6 +265,9 @@ class IntraOpIlp:
         self.time_limit_s = time_limit_s
         self.relative_gap = relative_gap  # stop within this fraction of optimal (None: solver's)
         self.presolve = presolve  # HiGHS's presolve (`_solve_highs`)
+        # each memory-cut round takes its LP relaxation rounded, the MIP only where that breaks
+        # a cut (`_cut_loop`): for candidates, whose plans are estimates
+        self.round_relaxation = round_relaxation
         self._time: tuple[_Model, list[np.ndarray]] | None = None  # the time model, its cuts
         self._cuts: dict[int, _Cut] = {}
         self._budget = np.inf
@@ -466,7 +471,8 @@ class IntraOpIlp:
         memory-tight layers of GPT-39B, HiGHS spends 5 s and more on cuts at its root before its
         first plan, past a 2.5 s limit and then again, where the rounded LP gives one as good in
         a second. Only where that breaks a memory cut does the MIP run again, within the limit,
-        stopped at its first plan.
+        stopped at its first plan. With `round_relaxation`, a round takes the rounded LP first
+        and the MIP only where that breaks a cut.
 
         Most plans fit after a few cuts. Where the peak keeps moving from step to step, a
         budgeted solve stops after `_MAX_CUT_ROUNDS` (`_CutsDidNotSettle`); with `escalate` the
@@ -479,9 +485,12 @@ class IntraOpIlp:
         for rounds in itertools.count(1):
             began = time.perf_counter()
             status, values = _Status.NO_SOLUTION, None
-            if began < deadline:
-                status, values = self._solve(model, closed, deadline - began, start or {})
-            if status is _Status.NO_SOLUTION:  # out of time before any plan
+            if self.round_relaxation:
+                status, values = self._rounded(model, closed, s, cut, bound, peak)
+            if status is _Status.NO_SOLUTION and time.perf_counter() < deadline:
+                limit = deadline - time.perf_counter()
+                status, values = self._solve(model, closed, limit, start or {})
+            if status is _Status.NO_SOLUTION and not self.round_relaxation:  # out of time
                 status, values = self._rounded(model, closed, s, cut, bound, peak)
             if status is _Status.NO_SOLUTION:  # nor a rounded one: the MIP's first plan
                 status, values = self._solve(
@@ -543,7 +552,7 @@ class IntraOpIlp:
         rounded[list(one_hot)] = list(one_hot.values())
         if peak is not None:
             rounded[peak] = held.max()
-        return _Status.FEASIBLE, rounded
+        return _Status.ROUNDED, rounded
 
     def _cut_memory(self, choices: np.ndarray, cut: Mapping[int, _Cut]) -> np.ndarray:
         """MiB held at each cut step under `choices` (one 0 where nothing is cut)."""
@@ -618,7 +627,11 @@ class IntraOpIlp:
             return None
         choices, optimal, rounds = result
         if not optimal:  # the caller warns where the plan is one a user gets
-            logger.debug("the sharding ILP hit its time limit (%.3g s)", self.time_limit_s)
+            logger.debug(
+                "the sharding ILP's plan is not proved optimal: a solve hit the time limit "
+                "(%.3g s) or rounded its LP relaxation",
+                self.time_limit_s,
+            )
         return Solution(choices, optimal, time.perf_counter() - began, rounds)
 
     def _budgeted(

@@ -111,6 +111,7 @@ class IntraOpConfig:
     force_batch_dim_to_mesh_dim: int | None = None
     relative_gap: float | None = None  # accept plans this close to optimal (None: the solver's)
     presolve: bool = True  # HiGHS's presolve (`ilp.IntraOpIlp`)
+    round_relaxation: bool = False  # plans from the LP relaxation rounded (`ilp.IntraOpIlp`)
     # With micro-batches: reduce gradients once per step (all-reduces always; reduce-scatters
     # where the budget has room for their whole accumulators, largest first), not per micro-batch.
     reduce_gradients_once: bool = True
@@ -676,6 +677,7 @@ class ShardingProblem:
             time_limit_s=config.time_limit_s,
             relative_gap=config.relative_gap,
             presolve=config.presolve,
+            round_relaxation=config.round_relaxation,
         )
         self._least: tuple[np.ndarray, StagePlan, Predicted] | None = None
         self.build_seconds = time.perf_counter() - start
@@ -701,6 +703,7 @@ class ShardingProblem:
             time_limit_s=self.ilp.time_limit_s,
             relative_gap=self.ilp.relative_gap,
             presolve=self.ilp.presolve,
+            round_relaxation=self.ilp.round_relaxation,
         )
         stacked._least = None
         stacked.build_seconds = 0.0

@@ -142,6 +142,7 @@ class MenuBuilder:
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
         self._tiles: dict[Spec, int] = {}  # devices a spec splits a tensor over
         self._warned: set[str] = set()
+        self._local_indices: dict[int, dict[str, int]] = {}  # group -> member -> position
 
     # ------------------------------------------------------------------ menus
 
@@ -155,7 +156,10 @@ class MenuBuilder:
         return (-1, 0) if node is None else (self._local_index(group)[node], o)
 
     def _local_index(self, group: Group) -> dict[str, int]:
-        return {m: j for j, m in enumerate(group.members)}
+        index = self._local_indices.get(group.index)
+        if index is None:  # asked for every value a menu or a cost reads
+            index = self._local_indices[group.index] = {m: j for j, m in enumerate(group.members)}
+        return index
 
     def _leader_strategies(self, node: OpNode) -> list[Strategy]:
         if node.primitive in LEADER_RULES:
@@ -181,17 +185,25 @@ class MenuBuilder:
                 (s, {(0, o): spec for o, spec in enumerate(s.out_specs)})
                 for s in self._leader_strategies(leader)
             ]
+        # Each follower reads the spec of one value of the group: where two heads give it the
+        # same spec, it follows alike (a follow rule depends on the node and that spec only).
+        first = 0 if group.is_input else 1
+        followers = []
+        for j in range(first, len(group.members)):
+            node = graph.node(group.members[j])
+            pos = group.follows[node.id]
+            followers.append((j, node, pos, self._local(group, local, node.inputs[pos])))
+        followed: dict[tuple[int, Spec], Strategy] = {}
         strategies, value_specs = [], []
         for head, specs in heads:
             chosen = [head] if head is not None else []
             specs = dict(specs)
-            for j in range(len(chosen), len(group.members)):
-                node = graph.node(group.members[j])
-                pos = group.follows[node.id]
-                have = specs[self._local(group, local, node.inputs[pos])]
-                s = FOLLOW_RULES[node.primitive](node, pos, have, self.mesh)
+            for j, node, pos, source in followers:
+                have = specs[source]
+                s = followed.get((j, have))
                 if s is None:
-                    s = replicated_strategy(node)
+                    s = FOLLOW_RULES[node.primitive](node, pos, have, self.mesh)
+                    s = followed[j, have] = replicated_strategy(node) if s is None else s
                 chosen.append(s)
                 specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
             strategies.append(tuple(chosen))

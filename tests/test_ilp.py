@@ -181,6 +181,39 @@ def test_rounds_out_of_time_take_the_lp_relaxation_rounded(seed, solver, monkeyp
     assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s == "first plan")
 
 
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_round_relaxation_rounds_first_and_runs_the_mip_only_where_that_breaks_a_cut(
+    seed, solver, monkeypatch
+):
+    """With `round_relaxation` (the stage search's candidates), each cut round solves the LP
+    relaxation first and a MIP only right after a rounding that broke a memory cut; the plan
+    fits, is no faster than the optimum, and a budget below the least memory has none."""
+    num_choices, costs, edges, memory = _random_model(seed)
+    every = list(itertools.product(*(range(n) for n in num_choices)))
+    peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
+    least, most = min(peaks.values()), max(peaks.values())
+    solves = []
+    solve = IntraOpIlp._solve
+
+    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
+        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
+        return solve(self, model, closed, limit, start, relaxed, first_plan)
+
+    monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
+    ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver, round_relaxation=True)
+    for budget in (most, (least + most) / 2, least * (1 + 1e-6)):
+        solution = ilp.solve(budget)
+        assert solution is not None
+        chosen = tuple(int(k) for k in solution.choices)
+        assert peaks[chosen] <= budget * (1 + 1e-9)
+        best = min(_objective(c, costs, edges) for c in every if peaks[c] <= budget)
+        assert _objective(chosen, costs, edges) >= best * (1 - 1e-7) - 1e-6
+    assert solves[0] == "relaxed"
+    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s != "relaxed")
+    assert ilp.solve(least * 0.99) is None
+
+
 def test_a_rounding_that_breaks_a_cut_takes_the_leanest_choice_of_each_split_class():
     """Where the relaxation's largest shares hold too much at a cut step, each class it splits
     is rounded to the choice of its split that holds least there; classes it does not split,

@@ -326,6 +326,28 @@ def test_candidate_layer_ilps_run_without_presolve(monkeypatch):
     assert candidates and set(candidates) == {"off"} and set(presolve) == {"choose"}
 
 
+def test_candidate_layer_ilps_round_the_lp_relaxation(monkeypatch):
+    """A candidate layer's memory-cut rounds solve the LP relaxation and round it
+    (`CANDIDATE_ROUNDING`), a MIP only right after a rounding that broke a cut; a plan solved
+    as emitted runs the MIP itself, and its rounds never start from the relaxation."""
+    solves = []
+    solve = ilp_module.IntraOpIlp._solve
+
+    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
+        solves.append("relaxed" if relaxed else "mip")
+        return solve(self, model, closed, limit, start, relaxed, first_plan)
+
+    monkeypatch.setattr(ilp_module.IntraOpIlp, "_solve", recorded)
+    traced, parts, pipeline = _auto_stage_parts()
+    costs = LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8)
+    assert costs.layer_costs(1, (1, 2), 1)
+    candidate, solves[:] = list(solves), []
+    assert candidate[0] == "relaxed"
+    assert all(candidate[i - 1] == "relaxed" for i, s in enumerate(candidate) if s == "mip")
+    assert _layer_problem((1, 2)).solve(2**40) is not None
+    assert solves and set(solves) == {"mip"}
+
+
 def _tight(traced, parts, pipeline, cluster, factor: float) -> PipelineConfig:
     """`pipeline` with a budget of `factor` times layer 1's fastest plan on 2 devices: tight
     enough that stages need squeezed alternatives."""
