@@ -155,6 +155,19 @@ def test_a_budget_under_the_memory_floor_is_answered_without_a_solve(monkeypatch
     assert ilp.solve(least - 1.0) is None
 
 
+def _recorded_solves(monkeypatch) -> list[str]:
+    """Each `IntraOpIlp._solve` from now on, in order: "relaxed", "first plan" or "mip"."""
+    solves = []
+    solve = IntraOpIlp._solve
+
+    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
+        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
+        return solve(self, model, closed, limit, start, relaxed, first_plan)
+
+    monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
+    return solves
+
+
 @pytest.mark.parametrize("solver", ["highs", "cbc"])
 @pytest.mark.parametrize("seed", range(12))
 def test_rounds_out_of_time_take_the_lp_relaxation_rounded(seed, solver, monkeypatch):
@@ -164,14 +177,7 @@ def test_rounds_out_of_time_take_the_lp_relaxation_rounded(seed, solver, monkeyp
     every = list(itertools.product(*(range(n) for n in num_choices)))
     peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
     least, most = min(peaks.values()), max(peaks.values())
-    solves = []
-    solve = IntraOpIlp._solve
-
-    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
-        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
-        return solve(self, model, closed, limit, start, relaxed, first_plan)
-
-    monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
+    solves = _recorded_solves(monkeypatch)
     ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver)
     for budget in (most, (least + most) / 2):
         solution = ilp.solve(budget, deadline=time.perf_counter() - 1.0)
@@ -193,14 +199,7 @@ def test_round_relaxation_rounds_first_and_runs_the_mip_only_where_that_breaks_a
     every = list(itertools.product(*(range(n) for n in num_choices)))
     peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
     least, most = min(peaks.values()), max(peaks.values())
-    solves = []
-    solve = IntraOpIlp._solve
-
-    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
-        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
-        return solve(self, model, closed, limit, start, relaxed, first_plan)
-
-    monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
+    solves = _recorded_solves(monkeypatch)
     ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver, round_relaxation=True)
     for budget in (most, (least + most) / 2, least * (1 + 1e-6)):
         solution = ilp.solve(budget)
