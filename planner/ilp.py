@@ -487,9 +487,8 @@ class IntraOpIlp:
             status, values = _Status.NO_SOLUTION, None
             if self.round_relaxation:
                 status, values = self._rounded(model, closed, s, cut, bound, peak)
-            if status is _Status.NO_SOLUTION and time.perf_counter() < deadline:
-                limit = deadline - time.perf_counter()
-                status, values = self._solve(model, closed, limit, start or {})
+            if status is _Status.NO_SOLUTION and (now := time.perf_counter()) < deadline:
+                status, values = self._solve(model, closed, deadline - now, start or {})
             if status is _Status.NO_SOLUTION and not self.round_relaxation:  # out of time
                 status, values = self._rounded(model, closed, s, cut, bound, peak)
             if status is _Status.NO_SOLUTION:  # nor a rounded one: the MIP's first plan
