@@ -2,19 +2,19 @@
 
 1. `pipeline.split_step` cuts the layered step into per-layer forward/backward parts and apply.
 2. Every layer is planned alone by the ILP, from its LP relaxation rounded (`CANDIDATE_ROUNDING`;
-   the MIP, to within `CANDIDATE_GAP` of optimal or `CANDIDATE_TIME_SHARE` of the ILP's time
-   limit, where the rounding breaks a memory cut), on every candidate logical mesh where its
-   memory floor fits (`memory.whole_peak_bytes`; cost-model mode; data parallel over the first
-   axis where the logical space forces the batch dim there, `stage_intra_config`): its
-   predicted time per micro-batch, its state and its stashed activations, for its fastest
-   plan and, while a stage's last plan may not fit, squeezed plans that fit a stage of many
-   like layers with micro-batches in flight (alternatives, `StageShape`: what adds up over a
-   stage, not one layer's peak, is what they squeeze). Layers with the same structure
-   (repeated transformer blocks) are planned once per mesh, and free meshes that differ only
-   in the order of equal axes once. A candidate stage costs the sum of its layers' times,
-   state and stashed activations plus the largest of their temporaries, one alternative per
-   squeeze level; ignoring resharding between layers of one stage and the transfers between
-   stages, as Alpa's DP does.
+   the MIP of the classes it splits, to within `CANDIDATE_GAP` of optimal or
+   `CANDIDATE_TIME_SHARE` of the ILP's time limit, where the rounding breaks a memory cut), on
+   every candidate logical mesh where its memory floor fits (`memory.whole_peak_bytes`;
+   cost-model mode; data parallel over the first axis where the logical space forces the
+   batch dim there, `stage_intra_config`): its predicted time per micro-batch, its state and
+   its stashed activations, for its fastest plan and, while a stage's last plan may not fit,
+   squeezed plans that fit a stage of many like layers with micro-batches in flight
+   (alternatives, `StageShape`: what adds up over a stage, not one layer's peak, is what they
+   squeeze). Layers with the same structure (repeated transformer blocks) are planned once
+   per mesh, and free meshes that differ only in the order of equal axes once. A candidate
+   stage costs the sum of its layers' times, state and stashed activations plus the largest
+   of their temporaries, one alternative per squeeze level; ignoring resharding between
+   layers of one stage and the transfers between stages, as Alpa's DP does.
 3. `stages.solve_stages` (or the uniform/manual variants) picks layer ranges, sub-meshes and,
    per stage, the fastest alternative that fits with the micro-batches its schedule keeps in
    flight, priced by the schedule's step time; with several candidate schedules ("auto") the
@@ -110,11 +110,15 @@ CANDIDATE_TIME_SHARE = 0.25
 # solved as emitted keep it: GPT-1.3B's ShardParallel ILP is optimal in 5.6 s with it, and hits
 # its 10 s limit without.)
 CANDIDATE_PRESOLVE = False
-# ...and from the LP relaxation rounded, each memory-cut round (the MIP only where the rounding
-# breaks a cut): a layer's relaxation leaves few classes split. On 18 candidate ILPs of a
-# Flax GPT-39B layer (6 meshes, 3 squeeze levels, built and solved) that took 22.0 s against
-# 51.9 s for the MIPs, with the same plans or, where the MIPs stopped at their limit, faster
-# ones (up to 2.2x on 16 devices as (16, 1)).
+# ...and from the LP relaxation rounded, each memory-cut round (where the rounding breaks a
+# cut, the MIP of the classes it splits; the whole MIP only where that finds no plan): a
+# layer's relaxation leaves few classes split. On 18 candidate ILPs of a Flax GPT-39B layer
+# (6 meshes, 3 squeeze levels, built and solved) rounding took 22.0 s against 51.9 s for the
+# MIPs, with the same plans or, where the MIPs stopped at their limit, faster ones. The split
+# classes' MIP took the 58 ILPs of its embedding, middle and last layers (6-7 meshes, 3
+# levels) from 156 to 86 s, and where the whole MIPs had found no plan in time (the
+# least-memory plans standing in) it found plans up to 72x faster per micro-batch (the
+# embedding on (4, 8): 1.06 s against 77 s).
 CANDIDATE_ROUNDING = True
 
 

@@ -156,12 +156,14 @@ def test_a_budget_under_the_memory_floor_is_answered_without_a_solve(monkeypatch
 
 
 def _recorded_solves(monkeypatch) -> list[str]:
-    """Each `IntraOpIlp._solve` from now on, in order: "relaxed", "first plan" or "mip"."""
+    """Each `IntraOpIlp._solve` from now on, in order: "relaxed", "first plan", "split" (a
+    MIP with columns fixed: the relaxation's split classes only) or "mip"."""
     solves = []
     solve = IntraOpIlp._solve
 
     def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
-        solves.append("relaxed" if relaxed else "first plan" if first_plan else "mip")
+        kind = "first plan" if first_plan else "split" if len(closed) else "mip"
+        solves.append("relaxed" if relaxed else kind)
         return solve(self, model, closed, limit, start, relaxed, first_plan)
 
     monkeypatch.setattr(IntraOpIlp, "_solve", recorded)
@@ -184,7 +186,9 @@ def test_rounds_out_of_time_take_the_lp_relaxation_rounded(seed, solver, monkeyp
         assert solution is not None and not solution.optimal
         assert peaks[tuple(int(k) for k in solution.choices)] <= budget * (1 + 1e-9)
     assert "mip" not in solves and solves[0] == "relaxed"
-    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s == "first plan")
+    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s == "split")
+    after_rounding = ("relaxed", "split")
+    assert all(solves[i - 1] in after_rounding for i, s in enumerate(solves) if s == "first plan")
 
 
 @pytest.mark.parametrize("solver", ["highs", "cbc"])
@@ -193,8 +197,9 @@ def test_round_relaxation_rounds_first_and_runs_the_mip_only_where_that_breaks_a
     seed, solver, monkeypatch
 ):
     """With `round_relaxation` (the stage search's candidates), each cut round solves the LP
-    relaxation first and a MIP only right after a rounding that broke a memory cut; the plan
-    fits, is no faster than the optimum, and a budget below the least memory has none."""
+    relaxation first, then the MIP of its split classes where the rounding broke a memory cut,
+    and the whole MIP only where that finds no plan; the plan fits, is no faster than the
+    optimum, and a budget below the least memory has none."""
     num_choices, costs, edges, memory = _random_model(seed)
     every = list(itertools.product(*(range(n) for n in num_choices)))
     peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
@@ -209,8 +214,50 @@ def test_round_relaxation_rounds_first_and_runs_the_mip_only_where_that_breaks_a
         best = min(_objective(c, costs, edges) for c in every if peaks[c] <= budget)
         assert _objective(chosen, costs, edges) >= best * (1 - 1e-7) - 1e-6
     assert solves[0] == "relaxed"
-    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s != "relaxed")
+    assert all(solves[i - 1] == "relaxed" for i, s in enumerate(solves) if s == "split")
+    after_rounding = ("relaxed", "split")
+    assert all(solves[i - 1] in after_rounding for i, s in enumerate(solves) if s != "relaxed")
     assert ilp.solve(least * 0.99) is None
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_a_rounding_that_breaks_a_cut_solves_the_mip_of_the_split_classes(solver):
+    """The MIP of the classes that the LP relaxation splits, the others fixed at the choices it
+    takes whole, gives the fastest of those completions within the memory cuts (brute force),
+    and no plan where none of them fits."""
+    split = 0
+    for seed in range(30):
+        num_choices, costs, edges, memory = _random_model(seed)
+        every = list(itertools.product(*(range(n) for n in num_choices)))
+        peaks = {c: float(memory.evaluate(np.array(c)).max()) for c in every}
+        budget = (min(peaks.values()) + max(peaks.values())) / 2
+        ilp = IntraOpIlp(num_choices, costs, edges, memory, solver=solver)
+        model, s = ilp._time_problem()
+        for step in range(len(memory.evaluate(np.array(every[0])))):
+            ilp._add_memory_cut(model, s, step, budget / 2**20)
+        _, values = ilp._solve(model, [], 10.0, {}, relaxed=True)
+        whole = {
+            c: int(np.argmax(values[cols]))
+            for c, cols in enumerate(s)
+            if values[cols].max() > 1 - 1e-6
+        }
+        if len(whole) == len(s):
+            continue
+        split += 1
+        completions = [
+            c
+            for c in every
+            if all(c[k] == whole[k] for k in whole) and peaks[c] <= budget * (1 + 1e-9)
+        ]
+        status, solved = ilp._split_solved(model, [], s, values)
+        if not completions:
+            assert solved is None
+            continue
+        chosen = tuple(int(np.argmax(solved[cols])) for cols in s)
+        assert chosen in completions
+        best = min(_objective(c, costs, edges) for c in completions)
+        assert _objective(chosen, costs, edges) <= best * (1 + 1e-7) + 1e-6
+    assert split >= 3  # the relaxation splits some classes of these models
 
 
 def test_a_rounding_that_breaks_a_cut_takes_the_leanest_choice_of_each_split_class():
