@@ -234,30 +234,81 @@ def _forced_batch_axis(mesh: LogicalMesh, config: IntraOpConfig) -> int | None:
     return axis if mesh.shape[axis] > 1 else None
 
 
-def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k: int) -> _Problem:
-    graph = program.graph
-    grouping = group_graph(graph)
+@dataclasses.dataclass(frozen=True)
+class ProgramAnalysis:
+    """What building a program's ILP derives from the program alone, on any mesh: its groups
+    and their classes, liveness, gradient part, chains and sums, and the roofline's per-node
+    caches. A pipeline layer is planned on every candidate logical mesh (14 for 64 devices):
+    one analysis serves them all (`ShardingProblem(analysis=...)`). Read-only once made."""
+
+    program: Program
+    cluster: ClusterSpec
+    reuse_repeated_layers: bool
+    grouping: Grouping
+    num_classes: int
+    grad_part: set[str]
+    complete_chains: list[GradientChain]
+    gradient_sums: set[str]
+    live: Liveness
+    roofline: Roofline
+
+    @classmethod
+    def of(cls, program: Program, cluster: ClusterSpec, config: IntraOpConfig) -> ProgramAnalysis:
+        graph = program.graph
+        grouping = group_graph(graph)
+        if config.reuse_repeated_layers:
+            num_classes = assign_classes(grouping, input_roles(program))
+        else:
+            for group in grouping.groups:
+                group.cls = group.index
+            num_classes = len(grouping.groups)
+        live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
+        return cls(
+            program,
+            cluster,
+            config.reuse_repeated_layers,
+            grouping,
+            num_classes,
+            gradient_part(graph),
+            [c for c in gradient_chains(graph) if c.complete],
+            _gradient_sums(graph),
+            live,
+            Roofline(grouping, live.fused, cluster),
+        )
+
+    def serves(self, program: Program, cluster: ClusterSpec, config: IntraOpConfig) -> bool:
+        """Whether this is `of(program, cluster, config)` (the very program)."""
+        return (
+            self.program is program
+            and self.cluster == cluster
+            and self.reuse_repeated_layers == config.reuse_repeated_layers
+        )
+
+
+def _build(
+    program: Program,
+    mesh: LogicalMesh,
+    cluster: ClusterSpec,
+    config,
+    k: int,
+    analysis: ProgramAnalysis | None = None,
+) -> _Problem:
+    if analysis is None or not analysis.serves(program, cluster, config):
+        analysis = ProgramAnalysis.of(program, cluster, config)
+    grouping, live = analysis.grouping, analysis.live
     inputs = _InputMenus(program, mesh, config)
-    if config.reuse_repeated_layers:
-        num_classes = assign_classes(grouping, inputs.roles)
-    else:
-        for group in grouping.groups:
-            group.cls = group.index
-        num_classes = len(grouping.groups)
-    grad_part = gradient_part(graph)
-    weights = dict.fromkeys(grad_part, float(k)) if k > 1 else {}
+    weights = dict.fromkeys(analysis.grad_part, float(k)) if k > 1 else {}
     once = k > 1 and config.reduce_gradients_once
-    chains = [c for c in gradient_chains(graph) if c.complete] if once else []
+    chains = analysis.complete_chains if once else []
     axis = _forced_batch_axis(mesh, config)
     batch = program.signature.batch_inputs
     forced = {} if axis is None else batch_dims(grouping, batch, mesh, axis)
-    live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
     builder = MenuBuilder(
         grouping,
         mesh,
-        Roofline(grouping, live.fused, cluster),
+        analysis.roofline,
         weights,
-        _gradient_sums(graph),
+        analysis.gradient_sums,
         inputs,
         forced,
         None if axis is None else mesh.axis_names[axis],
@@ -265,14 +316,14 @@ def _build(program: Program, mesh: LogicalMesh, cluster: ClusterSpec, config, k:
     )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
-    grad_end = max((live.step_of_node.get(n, 0) for n in grad_part), default=0)
+    grad_end = max((live.step_of_node.get(n, 0) for n in analysis.grad_part), default=0)
     return _Problem(
         grouping,
         builder,
         group_costs,
         edges,
         live,
-        num_classes,
+        analysis.num_classes,
         inputs,
         cluster.platform,
         chains,
@@ -351,14 +402,11 @@ def _whole_accumulators(problem: _Problem) -> list[tuple[int, None, np.ndarray, 
 def _copy_bytes(problem: _Problem, value: Value, aval, have: Spec, need: Spec | None) -> float:
     """Bytes per device of the buffer a read of `value` stored as `have` takes as `need`: its
     resharded copy; none for no resharding, a no-op (size-1 axes) or a slice inside the
-    reader's fusion."""
+    reader's fusion (`MenuBuilder.copy_bytes`)."""
     if need is None or need == have:
         return 0.0
-    builder = problem.builder
-    _, moved = builder.reshard(aval.shape, aval.dtype.itemsize, have, need)
-    size = builder.spec_bytes(aval.shape, aval.dtype.itemsize, need)
-    same = size == builder.spec_bytes(aval.shape, aval.dtype.itemsize, have)
-    return 0.0 if moved == 0 and (same or value in problem.live.fused) else size
+    fused = value in problem.live.fused
+    return problem.builder.copy_bytes(aval.shape, aval.dtype.itemsize, have, need, fused)
 
 
 def _copy_span(problem: _Problem, node_id: str) -> tuple[int, int]:
@@ -647,7 +695,8 @@ class ShardingProblem:
     """One program on one mesh with its menus, costs and ILP built once: `solve` plans it for a
     memory budget, and solving again under a tighter budget reuses the ILP's memory cuts.
     `stash`: a pipeline stage's activations held by its other micro-batches in flight, counted
-    in every memory figure (the ILP's, the plan's prediction, the least memory)."""
+    in every memory figure (the ILP's, the plan's prediction, the least memory). `analysis`:
+    `ProgramAnalysis.of(program, cluster, config)`, where it is planned on several meshes."""
 
     def __init__(
         self,
@@ -657,13 +706,14 @@ class ShardingProblem:
         config: IntraOpConfig,
         num_micro_batches: int,
         stash: Stash | None = None,
+        analysis: ProgramAnalysis | None = None,
     ) -> None:
         start = time.perf_counter()
         self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
         self.num_micro_batches = num_micro_batches
         self.reduce_scatter_once = config.reduce_gradients_once and num_micro_batches > 1
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
-        self.problem = _build(program, mesh, cluster, config, num_micro_batches)
+        self.problem = _build(program, mesh, cluster, config, num_micro_batches, analysis)
         self.memory = _Memory(self.problem, stash)
         num_choices, costs, self.edges, self.edge_class_of = _class_inputs(
             self.problem, self.memory.input_sizes, max(mesh.bandwidths)

@@ -140,6 +140,7 @@ class MenuBuilder:
         self._menus: dict[int, Menu] = {}
         self._costs: dict[tuple, Costs] = {}  # group_costs by class and members' context
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
+        self._copy_cache: dict[tuple, float] = {}  # `copy_bytes`
         self._tiles: dict[Spec, int] = {}  # devices a spec splits a tensor over
         self._warned: set[str] = set()
         self._local_indices: dict[int, dict[str, int]] = {}  # group -> member -> position
@@ -193,19 +194,22 @@ class MenuBuilder:
             node = graph.node(group.members[j])
             pos = group.follows[node.id]
             followers.append((j, node, pos, self._local(group, local, node.inputs[pos])))
-        followed: dict[tuple[int, Spec], Strategy] = {}
+        # (member, spec it reads) -> its strategy and the specs of its outputs
+        followed: dict[tuple[int, Spec], tuple[Strategy, list]] = {}
         strategies, value_specs = [], []
         for head, specs in heads:
             chosen = [head] if head is not None else []
             specs = dict(specs)
             for j, node, pos, source in followers:
                 have = specs[source]
-                s = followed.get((j, have))
-                if s is None:
+                found = followed.get((j, have))
+                if found is None:
                     s = FOLLOW_RULES[node.primitive](node, pos, have, self.mesh)
-                    s = followed[j, have] = replicated_strategy(node) if s is None else s
-                chosen.append(s)
-                specs.update(((j, o), spec) for o, spec in enumerate(s.out_specs))
+                    s = replicated_strategy(node) if s is None else s
+                    outs = [((j, o), spec) for o, spec in enumerate(s.out_specs)]
+                    found = followed[j, have] = s, outs
+                chosen.append(found[0])
+                specs.update(found[1])
             strategies.append(tuple(chosen))
             value_specs.append(specs)
         return self._accumulate_sums(
@@ -284,6 +288,20 @@ class MenuBuilder:
                 seconds += self.mesh.collective_cost(kind, b, axes)
                 nbytes += result_bytes(self.mesh, kind, b, axes)
             found = self._reshard_cache[key] = (seconds, nbytes)
+        return found
+
+    def copy_bytes(self, shape, itemsize: int, have: Spec, need: Spec, fused: bool) -> float:
+        """Bytes per device of the buffer a tensor stored as `have` takes when read as `need`:
+        its resharded copy; none for a no-op (size-1 axes) or, where the read is `fused`, a
+        slice inside the reader's fusion. Cached: a layer ILP's memory model asks ~80k times
+        for each few hundred pairs of specs."""
+        key = (shape, itemsize, have, need, fused)
+        found = self._copy_cache.get(key)
+        if found is None:
+            _, moved = self.reshard(shape, itemsize, have, need)
+            size = self.spec_bytes(shape, itemsize, need)
+            same = size == self.spec_bytes(shape, itemsize, have)
+            found = self._copy_cache[key] = 0.0 if moved == 0 and (same or fused) else size
         return found
 
     def spec_bytes(self, shape, itemsize: int, spec: Spec) -> float:
@@ -448,14 +466,18 @@ class MenuBuilder:
         rows, row_of = _index([specs[lv] for specs in self.menu(h).value_specs])
         cols, col_of = _index(needs)
         aval = value_aval(self.grouping, value)
+        shape, itemsize = aval.shape, aval.dtype.itemsize
+        hidden = h.is_input and self.overlaps
         costs = Costs.zeros((len(rows), len(cols)))
         for a, have in enumerate(rows):
             for b, specs in enumerate(cols):
+                seconds = nbytes = 0.0
                 for need, weight in zip(specs, weights, strict=True):
                     if need is not None and need != have:
-                        seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
-                        hidden = h.is_input and self.overlaps
-                        costs.add_comm((a, b), weight * seconds, weight * nbytes, hidden)
+                        s, n = self.reshard(shape, itemsize, have, need)
+                        seconds, nbytes = seconds + weight * s, nbytes + weight * n
+                if seconds or nbytes:
+                    costs.add_comm((a, b), seconds, nbytes, hidden)
         if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
             return None
         return Edge(producer, consumer, row_of, col_of, costs, value, rows, cols, readers)

@@ -47,12 +47,13 @@ from autopar.planner.gradients import gradient_chains
 from autopar.planner.groups import group_graph
 from autopar.planner.intra import (
     IntraOpConfig,
+    ProgramAnalysis,
     ShardingProblem,
     Stash,
     StructureStrategies,
     program_structure,
 )
-from autopar.planner.memory import held_values, liveness, whole_peak_bytes
+from autopar.planner.memory import held_values, whole_peak_bytes
 from autopar.planner.pipeline import (
     StageProgram,
     StepParts,
@@ -320,6 +321,8 @@ class LayerCosts:
         self._programs: dict[int, StageProgram] = {}
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
         self._whole_peaks: dict[int, float] = {}  # program_structure -> whole_peak_bytes
+        # program_structure -> its first layer's program and analysis, which plan for all
+        self._analyses: dict[int, tuple[StageProgram, ProgramAnalysis]] = {}
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
         self.step_bound_s = math.inf
@@ -419,11 +422,11 @@ class LayerCosts:
         if layer not in self._structures:
             self._structures[layer] = program_structure(stage.program)
         structure = self._structures[layer]
-        if structure not in self._whole_peaks:
-            grouping = group_graph(stage.program.graph)
-            cpu = self.cluster.platform == "cpu"
-            live = liveness(grouping, stage.program.signature, cpu=cpu)
-            self._whole_peaks[structure] = whole_peak_bytes(grouping, live)
+        if structure not in self._analyses:  # the first layer of this structure plans for all
+            analysis = ProgramAnalysis.of(stage.program, self.cluster, self.config.intra)
+            self._analyses[structure] = stage, analysis
+            self._whole_peaks[structure] = whole_peak_bytes(analysis.grouping, analysis.live)
+        stage, analysis = self._analyses[structure]
         floor = self._whole_peaks[structure] / math.prod(logical)
         if floor > self.device_memory:
             return None
@@ -437,7 +440,9 @@ class LayerCosts:
                 presolve=CANDIDATE_PRESOLVE,
                 round_relaxation=CANDIDATE_ROUNDING,
             )
-            build = functools.partial(ShardingProblem, stage.program, mesh, self.cluster, intra, k)
+            build = functools.partial(
+                ShardingProblem, stage.program, mesh, self.cluster, intra, k, analysis=analysis
+            )
             shapes = stage_shapes(
                 self.parts.num_layers, self.num_devices, math.prod(logical), self.config
             )

@@ -21,7 +21,14 @@ from autopar.planner import pipeshard as pipeshard_module
 from autopar.planner.draw import _stages_of_device
 from autopar.planner.errors import MemoryBudgetError
 from autopar.planner.groups import group_graph
-from autopar.planner.intra import IntraOpConfig, ShardingProblem, Stash, plan_shard_parallel
+from autopar.planner.intra import (
+    IntraOpConfig,
+    ProgramAnalysis,
+    ShardingProblem,
+    Stash,
+    plan_shard_parallel,
+    program_structure,
+)
 from autopar.planner.memory import liveness, whole_peak_bytes
 from autopar.planner.pipeline import place_stages, split_step
 from autopar.planner.pipeshard import (
@@ -346,6 +353,52 @@ def test_candidate_layer_ilps_round_the_lp_relaxation(monkeypatch):
     assert all(candidate[i - 1] == "relaxed" for i, s in enumerate(candidate) if s == "mip")
     assert _layer_problem((1, 2)).solve(2**40) is not None
     assert solves and set(solves) == {"mip"}
+
+
+def _ilp_arrays(problem: ShardingProblem) -> list:
+    """The ILP a problem hands the solver, as arrays: choices, costs, edges, and memory per
+    step of a few assignments."""
+    ilp = problem.ilp
+    rng = np.random.default_rng(0)
+    picks = [np.array([rng.integers(n) for n in ilp.num_choices]) for _ in range(4)]
+    return [
+        ilp.num_choices,
+        [dataclasses.astuple(c) for c in ilp.costs],
+        [(e.producer, e.consumer, e.row_of, e.col_of, e.blocking, e.overlap) for e in ilp.edges],
+        [ilp.memory.evaluate(p) for p in picks],
+    ]
+
+
+def test_each_layer_structure_is_analysed_once_for_every_mesh(monkeypatch):
+    """A layer's mesh-independent analysis (groups, classes, liveness, gradient chains) is made
+    once per layer structure and serves its ILPs on every mesh: each equals the ILP built
+    with an analysis of its own."""
+    made = []
+    analyse = ProgramAnalysis.of.__func__
+
+    def counted(cls, program, cluster, config):
+        made.append(program)
+        return analyse(cls, program, cluster, config)
+
+    monkeypatch.setattr(ProgramAnalysis, "of", classmethod(counted))
+    traced, parts, pipeline = _auto_stage_parts()
+    costs = LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8)
+    meshes = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2)]
+    plans = {
+        id(p): p
+        for layer in range(parts.num_layers)
+        for mesh in meshes
+        if (p := costs._layer_plans(layer, mesh)) is not None
+    }
+    layers = range(parts.num_layers)
+    structures = {program_structure(costs.layer_program(i).program) for i in layers}
+    assert len(plans) > len(structures) == len(made)
+    for built, layer_plans in enumerate(plans.values()):
+        shared = layer_plans.problem
+        assert len(made) == len(structures) + built  # built without analysing again
+        alone = ShardingProblem(*layer_plans.build.args)
+        assert len(made) == len(structures) + built + 1
+        np.testing.assert_equal(_ilp_arrays(shared), _ilp_arrays(alone))
 
 
 def _tight(traced, parts, pipeline, cluster, factor: float) -> PipelineConfig:
