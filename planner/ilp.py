@@ -532,10 +532,11 @@ class IntraOpIlp:
     ) -> tuple[_Status, np.ndarray | None]:
         """The LP relaxation with each class's largest share rounded to 1 (and the `peak`
         column, where given, at the peak of the cut steps): a plan for a cut round whose MIP
-        ran out of time, where it keeps within the memory cuts so far (`bound` MiB; else no
-        plan). A layer's relaxation leaves few classes split, so its rounding is about as fast
-        as the MIP's plans (GPT-39B's: 8 of 133 split, 213.5 s against the MIP's 213.5 s after
-        20 s, the bound 199.9 s)."""
+        ran out of time, where it keeps within the memory cuts so far (`bound` MiB; else the
+        leanest rounding of the split classes, else their MIP, `_split_solved`). A layer's
+        relaxation leaves few classes split, so its rounding is about as fast as the MIP's
+        plans (GPT-39B's: 8 of 133 split, 213.5 s against the MIP's 213.5 s after 20 s, the
+        bound 199.9 s)."""
         status, values = self._solve(model, closed, self.time_limit_s, {}, relaxed=True)
         if status is _Status.INFEASIBLE:
             return status, None  # an infeasible relaxation proves the MIP infeasible
