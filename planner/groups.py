@@ -146,11 +146,13 @@ def _params_key(node: OpNode) -> tuple:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Signatures:
     """Weisfeiler-Lehman hashes: of every value, of every planned node, and each node's
-    operand values; and before any round (`local`: of each node and step input alone)."""
+    operand values and each value's readers (node, operand position); and before any round
+    (`local`: of each node and step input alone)."""
 
     value: dict[Value, int]
     node: dict[str, int]
     operands: dict[str, list[Value | None]]
+    readers: dict[Value, list[tuple[str, int]]]
     local: dict[Value | str, int]
 
 
@@ -202,7 +204,7 @@ def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) ->
         for i in range(len(graph.inputs)):
             v = input_value(i)
             sig[v] = hash((sig[v], tuple(sorted((node_sig[r], k) for r, k in readers.get(v, ())))))
-    return _Signatures(sig, node_sig, operands, local)
+    return _Signatures(sig, node_sig, operands, readers, local)
 
 
 def structure_signature(
@@ -214,16 +216,31 @@ def structure_signature(
     """A hash equal for programs that are the same up to the order of their ops, inputs and
     outputs (e.g. one layer whose parameters sort as blocks_10, blocks_11, blocks_9 and one with
     blocks_6, blocks_7, blocks_8): the multisets of node and input hashes, and of outputs with
-    the inputs they update."""
+    the inputs they update.
+
+    Per-micro-batch inputs that no op reads are left out, with the outputs that pass them on: a
+    layer of a pipeline forwards such values from the layers before it to the ones after it
+    (each BatchNorm's batch statistics, on their way to the step's new state), so the same block
+    repeated would differ by them in every layer and plan once per layer instead of once."""
     found = _signatures(grouping, input_roles, rounds)
+    passed = {
+        input_value(i)
+        for i in range(len(grouping.graph.inputs))
+        if input_roles.get(i) == "batch" and input_value(i) not in found.readers
+    }
     outputs = [
         (
             found.value.get(grouping.value_of(ref), 0),
             -1 if i is None else found.value[input_value(i)],
         )
         for ref, i in zip(grouping.graph.outputs, output_to_input, strict=True)
+        if grouping.value_of(ref) not in passed
     ]
-    inputs = [found.value[input_value(i)] for i in range(len(grouping.graph.inputs))]
+    inputs = [
+        found.value[input_value(i)]
+        for i in range(len(grouping.graph.inputs))
+        if input_value(i) not in passed
+    ]
     return hash((tuple(sorted(found.node.values())), tuple(sorted(inputs)), tuple(sorted(outputs))))
 
 

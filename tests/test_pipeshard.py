@@ -967,3 +967,49 @@ def test_layer_state_counts_whole_accumulators_of_gradients_reduced_once():
     )
     whole = math.prod(aval.shape) * aval.dtype.itemsize
     assert state_bytes(stage, once) - state_bytes(stage, plan) == pytest.approx(whole * 3 / 4)
+
+
+def _stats_parts(uses_stats: bool):
+    """A step over 5 like blocks split at manual boundaries, each block also computing a batch
+    statistic (as BatchNorm does) that the loss returns for the new state: each layer forwards
+    the statistics of the layers before it. With `uses_stats` each block also reads the last
+    one's statistic, so the layers differ."""
+    width, blocks = 16, 5
+
+    def loss(params, x):
+        stats, last = [], jnp.zeros(())
+        for n in range(blocks):
+            if n:
+                autopar.mark_pipeline_boundary()
+            x = jnp.tanh(x @ params[f"b{n}"] + (last if uses_stats else 0.0))
+            last = jnp.mean(x)
+            stats.append(last)
+        return jnp.sum(x), stats
+
+    def train_step(params, x):
+        grads, stats = autopar.grad(loss, has_aux=True)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), stats
+
+    params = {f"b{n}": jnp.full((width, width), 0.1) for n in range(blocks)}
+    args = (params, jnp.ones((8, width)))
+    method = _method(0, "1f1b", "manual", stage_option=autopar.AutoStageOption())
+    traced = trace_for_method(train_step, args, method, resolve_argnums(args, (), (1,), "auto"))
+    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    pipeline = PipelineConfig(MICRO_BATCHES, method.schedules, method.stage_option, IntraOpConfig())
+    return LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8), blocks
+
+
+@pytest.mark.parametrize("uses_stats", [False, True])
+def test_values_a_layer_only_forwards_leave_its_structure_alone(uses_stats):
+    """The middle blocks forward 1, 2 and 3 earlier statistics: the same layer, planned once
+    for all three (as a Wide-ResNet's blocks with their BatchNorm statistics); blocks that read
+    the statistic they are handed are the same layer too, and differ from those that do not."""
+    costs, blocks = _stats_parts(uses_stats)
+    middle = [costs.layer_program(n).program for n in range(1, blocks - 1)]
+    forwarded = [len(p.signature.input_avals) for p in middle]
+    assert forwarded == sorted(set(forwarded))  # each forwards more than the one before
+    assert len({program_structure(p) for p in middle}) == 1
+    other, _ = _stats_parts(not uses_stats)
+    assert program_structure(other.layer_program(2).program) != program_structure(middle[1])
+    plans = {id(costs._layer_plans(n, (1, 2))) for n in range(1, blocks - 1)}
+    assert len(plans) == 1
