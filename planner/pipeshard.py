@@ -320,9 +320,9 @@ class LayerCosts:
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
-        self._whole_peaks: dict[int, float] = {}  # program_structure -> whole_peak_bytes
-        # program_structure -> its first layer's program and analysis, which plan for all
-        self._analyses: dict[int, tuple[StageProgram, ProgramAnalysis]] = {}
+        # program_structure -> its first layer's program, analysis and whole_peak_bytes, which
+        # serve every layer of that structure
+        self._analyses: dict[int, tuple[StageProgram, ProgramAnalysis, float]] = {}
         self._plans: dict[tuple, _LayerPlans] = {}
         self.ilp_solves = 0
         self.step_bound_s = math.inf
@@ -424,10 +424,10 @@ class LayerCosts:
         structure = self._structures[layer]
         if structure not in self._analyses:  # the first layer of this structure plans for all
             analysis = ProgramAnalysis.of(stage.program, self.cluster, self.config.intra)
-            self._analyses[structure] = stage, analysis
-            self._whole_peaks[structure] = whole_peak_bytes(analysis.grouping, analysis.live)
-        stage, analysis = self._analyses[structure]
-        floor = self._whole_peaks[structure] / math.prod(logical)
+            peak = whole_peak_bytes(analysis.grouping, analysis.live)
+            self._analyses[structure] = stage, analysis, peak
+        stage, analysis, peak = self._analyses[structure]
+        floor = peak / math.prod(logical)
         if floor > self.device_memory:
             return None
         key = (structure, kind, intra.force_batch_dim_to_mesh_dim)
