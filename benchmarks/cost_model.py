@@ -357,6 +357,13 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
             else f"{spec.column_reduction_rate / 1e9:.2f} Grows/s"
         )
         + " |",
+        "| column reduction with fused outputs (rows walked per array it reads or writes) | "
+        + (
+            "by its bytes (not measured)"
+            if spec.column_reduction_array_rate is None
+            else f"{spec.column_reduction_array_rate / 1e9:.2f} Grows/s"
+        )
+        + " |",
         "",
         "| model | predicted | measured | predicted / measured |",
         "|---|---:|---:|---:|",

@@ -47,7 +47,11 @@ gives `column_reduction_rate` (rows/s), a column reduction takes at least its ro
 rate beyond its kernel floor (`autopar.planner.roofline`; XLA:GPU splits one over more than
 `roofline.COLUMN_REDUCTION_SPLIT` rows into two kernels of about √rows each). XLA:CPU's column
 reductions stream at the memory bandwidth (a 4096x8 one takes what a streaming kernel over it
-takes): None there, as in specs that predate it.
+takes): None there, as in specs that predate it. XLA:GPU fuses element-wise work over the
+reduced array's shape into the reduction's kernel, and such a kernel walks its rows far more
+slowly, per array of that shape it reads or writes: a GPT's layer norm gradient over 1024x256
+that also writes two such arrays took 18 µs on an H200, a plain one 3.5 µs.
+`column_reduction_array_rate` (rows/s per array) prices it; None: not priced.
 
 All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run slower than it
 on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales
@@ -92,6 +96,7 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "transposed_matmul_flops",
     "fresh_memory_rate",
     "column_reduction_rate",
+    "column_reduction_array_rate",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
@@ -145,6 +150,9 @@ class ClusterSpec:
     transposed_matmul_flops: float | None = None  # lhs contracting its major dim; None: peak
     fresh_memory_rate: float | None = None  # bytes/s of first writes to fresh pages; None: free
     column_reduction_rate: float | None = None  # rows/s a column reduction walks; None: free
+    # rows/s per array of its operand's size a column reduction with fused element-wise outputs
+    # reads or writes; None: such outputs are priced by their bytes
+    column_reduction_array_rate: float | None = None
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
@@ -408,6 +416,9 @@ _PRESETS: dict[str, ClusterSpec] = {
         # 2026-11-27): a 4096-row column reduction's loop, 0.96 G rows/s. V100 and A100: none
         # measured, so their column reductions are priced by their bytes.
         column_reduction_rate=0.96e9,
+        # the same with an element-wise output fused in: 0.34 and 0.36 G rows/s per array on
+        # two lent H200s (2026-11-28)
+        column_reduction_array_rate=0.35e9,
         **_GPU_EFFICIENCIES,
     ),
 }

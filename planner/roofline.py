@@ -29,7 +29,9 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   kernels' rate;
 * a column reduction (one that keeps the minor dimension: a bias or layer-norm gradient, batch
   norm statistics) on a GPU walks its rows in a loop per thread block, at
-  `column_reduction_rate` rows/s whatever its width, where that is slower than its bytes
+  `column_reduction_rate` rows/s whatever its width, where that is slower than its bytes, and
+  at `column_reduction_array_rate` rows/s per array of its operand's size that its kernel
+  reads or writes where XLA fuses element-wise outputs of that shape into it
   (`Roofline.column_reduction_s`).
 
 A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs per device: a
@@ -110,6 +112,15 @@ def _highest_precision(node: OpNode) -> bool:
     return any("HIGHEST" in name for name in names)
 
 
+def _column_reduction(node: OpNode) -> bool:
+    """Whether `node` reduces some dimensions of its operand and keeps its minor one."""
+    axes = node.params.get("axes")
+    if not axes or not node.in_avals or not node.out_avals:
+        return False
+    shape = node.in_avals[0].shape
+    return len(shape) - 1 not in axes and math.prod(shape[a] for a in axes) > 1
+
+
 def _transposed_lhs(node: OpNode) -> bool:
     """Whether a dot_general's lhs contracts a dimension other than its minor one."""
     if node.primitive != "dot_general":
@@ -145,6 +156,9 @@ class Roofline:
         self.cluster = cluster
         self._traffic: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool]] = {}
         self._leaders: dict[str, str] | None = None
+        # column reduction -> full-shape arrays its kernel reads and writes, where XLA:GPU fuses
+        # element-wise outputs of its operand's shape into it (`kernel_leader`)
+        self._column_arrays: dict[str, int] = {}
         self._copies: dict[str, tuple[tuple[LayoutCopy, ...], bool]] | None = None
 
     def traffic(self, node: OpNode) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
@@ -171,7 +185,9 @@ class Roofline:
         multi-output fusion. XLA:GPU fuses element-wise loops over one shape that read a common
         operand from memory, or where one reads what the other writes, into one kernel that
         writes each of their results (an Adam update writes a parameter and both its moments
-        from one kernel); XLA:CPU keeps them apart."""
+        from one kernel), and fuses such loops over a column reduction's operand shape into the
+        reduction's kernel (a layer norm gradient writes the input gradient's terms beside the
+        scale's); XLA:CPU keeps them apart."""
         if self.cluster.platform != "gpu":
             return node.id
         if self._leaders is None:
@@ -180,10 +196,11 @@ class Roofline:
 
     def _multi_output_fusions(self) -> dict[str, str]:
         """Node -> the first node of its multi-output fusion (see `kernel_leader`), for the
-        element-wise nodes that write a result. Operands of rank 0 (a learning rate, a step
-        count) join nothing, and nodes join only at the same level (how many non-element-wise
-        kernels lead to them, at most), so that no fusion waits for its own result through a
-        matmul or a reduction."""
+        element-wise nodes that write a result and the column reductions, which join over
+        their operand's shape. Operands of rank 0 (a learning rate, a step count) join
+        nothing, and nodes join only at the same level (how many non-element-wise kernels lead
+        to them, at most), so that no fusion waits for its own result through a matmul or a
+        reduction. Fills `_column_arrays`."""
         graph = self.grouping.graph
         order: dict[str, int] = {}
         parent: dict[str, str] = {}
@@ -201,6 +218,7 @@ class Roofline:
         reads: dict[str, frozenset[Value]] = {}  # what each node's fusion reads from memory
         level: dict[str, int] = {}
         first_reader: dict[tuple[Value, tuple[int, ...], int], str] = {}
+        reductions: list[OpNode] = []
         for node in self.grouping.planned_nodes():
             order[node.id] = len(order)
             values = [v for ref in node.inputs if (v := self.grouping.value_of(ref)) is not None]
@@ -215,13 +233,16 @@ class Roofline:
                 ),
                 default=0,
             )
-            outputs = [(node.id, o) for o in range(len(node.out_avals))]
-            if node.primitive not in _FUSED or not node.out_avals[0].shape:
-                continue
-            if all(v in self.fused for v in outputs):
+            if _column_reduction(node):
+                reductions.append(node)
+                shape = tuple(node.in_avals[0].shape)
+            elif node.primitive in _FUSED and node.out_avals[0].shape:
+                if all((node.id, o) in self.fused for o in range(len(node.out_avals))):
+                    continue
+                shape = tuple(node.out_avals[0].shape)
+            else:
                 continue
             parent[node.id] = node.id
-            shape = tuple(node.out_avals[0].shape)
             for value in reads[node.id]:
                 if not value_aval(self.grouping, value).shape:
                     continue
@@ -232,7 +253,42 @@ class Roofline:
                 found = first_reader.setdefault((value, shape, level[node.id]), node.id)
                 if found != node.id:
                     join(node.id, found)  # reads what another reads
-        return {n: root(n) for n in parent}
+        leaders = {n: root(n) for n in parent}
+        self._column_arrays = self._arrays_of_column_reductions(reductions, leaders, reads)
+        return leaders
+
+    def _arrays_of_column_reductions(
+        self,
+        reductions: list[OpNode],
+        leaders: dict[str, str],
+        reads: dict[str, frozenset[Value]],
+    ) -> dict[str, int]:
+        """Column reduction -> the arrays of its operand's size that its kernel reads from
+        memory (not those it writes itself) and writes, for those whose kernel writes such an
+        array (a side output)."""
+        members: dict[str, list[str]] = {}
+        for node_id, leader in leaders.items():
+            members.setdefault(leader, []).append(node_id)
+        graph, found = self.grouping.graph, {}
+        for node in reductions:
+            size = math.prod(node.in_avals[0].shape)
+            ids = set(members[leaders[node.id]])
+            group = [graph.node(n) for n in ids]
+            written = sum(
+                (m.id, o) not in self.fused and math.prod(aval.shape) == size
+                for m in group
+                if not _column_reduction(m)
+                for o, aval in enumerate(m.out_avals)
+            )
+            if written:
+                read = {
+                    v
+                    for m in group
+                    for v in reads[m.id]
+                    if v[0] not in ids and math.prod(value_aval(self.grouping, v).shape) == size
+                }
+                found[node.id] = len(read) + written
+        return found
 
     def layout_copies(self, node: OpNode) -> tuple[tuple[LayoutCopy, ...], bool]:
         """(the layout copies around contraction `node` that it pays for, whether XLA copies
@@ -304,19 +360,30 @@ class Roofline:
         per-device sizes, takes to walk its rows where it is a column reduction (its minor
         dimension kept) and the spec prices those (`ClusterSpec.column_reduction_rate`); 0
         otherwise. The rows are per device: a reduced dimension that is split leaves each
-        device fewer. Above `COLUMN_REDUCTION_SPLIT` rows, two kernels of √rows each."""
+        device fewer. Above `COLUMN_REDUCTION_SPLIT` rows, two kernels of √rows each. Where
+        XLA:GPU fuses element-wise outputs of its operand's shape into a kernel of one, each
+        row costs per array of that shape the kernel reads or writes (`kernel_leader`,
+        `ClusterSpec.column_reduction_array_rate`): an H200 took 18 µs for a layer norm
+        gradient over 1024x256 rows that wrote two, 3.5 µs for a plain one. (Split in two,
+        such outputs streamed at its bandwidth: their bytes price them.)"""
         rate = self.cluster.column_reduction_rate
-        axes = node.params.get("axes")
-        if rate is None or not axes or not in_bytes or not in_bytes[0] or not out_bytes[0]:
+        array_rate = self.cluster.column_reduction_array_rate
+        if rate is None and array_rate is None:
+            return 0.0
+        if not _column_reduction(node) or not in_bytes[0] or not out_bytes[0]:
             return 0.0
         operand, result = node.in_avals[0], node.out_avals[0]
-        if len(operand.shape) - 1 in axes:
-            return 0.0  # the minor dimension is reduced: a row reduction
         elements_in = in_bytes[0] / np.dtype(operand.dtype).itemsize
         rows = elements_in / (out_bytes[0] / np.dtype(result.dtype).itemsize)
-        if rows > COLUMN_REDUCTION_SPLIT:
-            return 2 * math.sqrt(rows) / rate + self.cluster.kernel_overhead_s
-        return rows / rate
+        split = rows > COLUMN_REDUCTION_SPLIT
+        walked = 2 * math.sqrt(rows) if split else rows
+        seconds = 0.0 if rate is None else walked / rate
+        if array_rate is not None and not split:
+            self.kernel_leader(node)  # fills _column_arrays
+            seconds = max(seconds, walked * self._column_arrays.get(node.id, 0) / array_rate)
+        if seconds == 0.0:
+            return 0.0
+        return seconds + (self.cluster.kernel_overhead_s if split else 0.0)
 
     def copy_s(self, nbytes: float, strided: bool) -> float:
         """Seconds of one kernel copying `nbytes` into another layout: read and written at the

@@ -24,6 +24,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
 - `column_reduction_rate`: on a GPU, rows per second a column reduction walks (a bias
   gradient's mean over 4096 rows, beyond its kernels' floors); None on a CPU, whose column
   reductions stream;
+- `column_reduction_array_rate`: on a GPU, rows per second per full-shape array a column
+  reduction walks where XLA fuses an element-wise output of its operand's shape into it
+  (`microbench.measure_column_reduction_arrays`); None on a CPU, or where XLA fuses none;
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -71,6 +74,7 @@ from autopar.runtime.microbench import (
     StreamTiming,
     measure_collectives,
     measure_column_reduction,
+    measure_column_reduction_arrays,
     measure_convolution,
     measure_fresh_memory,
     measure_kernel_floor,
@@ -408,8 +412,12 @@ def _fresh(spec: ClusterSpec) -> str:
 
 def _column(spec: ClusterSpec) -> str:
     if spec.column_reduction_rate is None:
-        return "at the memory bandwidth (not measured)"
-    return f"{spec.column_reduction_rate:.3g} rows/s walked"
+        walked = "at the memory bandwidth (not measured)"
+    else:
+        walked = f"{spec.column_reduction_rate:.3g} rows/s walked"
+    if spec.column_reduction_array_rate is None:
+        return walked
+    return f"{walked}, {spec.column_reduction_array_rate:.3g} rows/s per array with fused outputs"
 
 
 def _device_memory(devices: Sequence[jax.Device]) -> float:
@@ -499,6 +507,7 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
             bar.update()
         rates.append(measure_fresh_memory(local, sizes, GLIBC_MMAP_THRESHOLD))
         rates.append(measure_column_reduction(local, sizes, kernel.per_kernel_s))
+        rates.append(measure_column_reduction_arrays(local, sizes, kernel.per_kernel_s))
         bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,9 @@ _GRAD_ROWS, _GRAD_SIDE = 4096, 256
 # A bias gradient's column reduction: the most rows XLA:GPU reduces in one kernel
 # (`planner.roofline.COLUMN_REDUCTION_SPLIT`), 64 columns (256 B a row: its bytes are nothing).
 _COLUMN_ROWS, _COLUMN_WIDTH = 4096, 64
+# A layer norm gradient's column reduction with an output of its operand's shape, as XLA:GPU
+# fuses one (shapes it fused so on an H200: a GPT-2's 1024x128, a 512x32), tried in this order.
+_COLUMN_ARRAY_SHAPES = ((1024, 128), (512, 32))
 
 
 class MatmulKind(enum.Enum):
@@ -207,6 +211,9 @@ class RateKind(enum.Enum):
     TRANSPOSED_MATMUL = "transposed matmul"  # a float32 weight gradient x^T·y: FLOP/s
     FRESH_MEMORY = "fresh memory"  # bytes/s of first writes to freshly mapped pages
     COLUMN_REDUCTION = "column reduction"  # rows/s a GPU's column reduction walks
+    # rows/s per full-shape array a GPU's column reduction walks where XLA fuses element-wise
+    # work of the reduced array's shape into it (its reads and side outputs)
+    COLUMN_REDUCTION_ARRAY = "column reduction array"
 
     @property
     def spec_field(self) -> str:
@@ -217,6 +224,7 @@ class RateKind(enum.Enum):
             "transposed matmul": "transposed_matmul_flops",
             "fresh memory": "fresh_memory_rate",
             "column reduction": "column_reduction_rate",
+            "column reduction array": "column_reduction_array_rate",
         }[self.value]
 
 
@@ -542,6 +550,50 @@ def measure_column_reduction(
     many, _ = _least_chain_s(mesh, step, x, (), sizes.kernel_ops, sizes)
     seconds = (many - one) / (sizes.kernel_ops - 1) - 2 * floor_s
     return RateTiming(RateKind.COLUMN_REDUCTION, _COLUMN_ROWS, max(0.0, seconds))
+
+
+def _column_with_output(
+    carry: tuple[jax.Array, jax.Array], rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """One kernel where XLA:GPU fuses it so: y = x/2 + 1/4 + m/(1000·rows) written out (values
+    stay near 0.5), and the column sum of y·x; 2 full-shape arrays (x read, y written)."""
+    x, m = carry
+    y = x * 0.5 + 0.25 + m * (1e-3 / rows)
+    return y, jnp.sum(y * x, axis=0)
+
+
+def _fusions(compiled: Any) -> int:
+    """Fusion kernels a compiled program launches (calls of fusions in its optimized HLO)."""
+    return compiled.as_text().count(" fusion(")
+
+
+def measure_column_reduction_arrays(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, floor_s: float
+) -> RateTiming:
+    """Rows per second per full-shape array of a column reduction into which XLA fuses an
+    element-wise output of its operand's shape (`_column_with_output`): `sizes.kernel_ops` of
+    them in one program against one, beyond a kernel floor `floor_s` each. Such a kernel walks
+    its rows far slower than a plain one: on an H200 a GPT's layer norm gradient over
+    1024x256 with two such outputs took 18 µs, a plain one 3.5 µs. Measured on a GPU, at the
+    first shape of `_COLUMN_ARRAY_SHAPES` that XLA fuses so (one kernel per step); none fused, or
+    a CPU (which fuses none so): seconds 0, no rate."""
+    if devices[0].platform != "gpu":
+        return RateTiming(RateKind.COLUMN_REDUCTION_ARRAY, 0.0, 0.0)
+    mesh, d = _local_mesh(devices), len(devices)
+    for rows, width in _COLUMN_ARRAY_SHAPES:
+        carry = (
+            _filled(mesh, (d * rows, width), jnp.float32, 0.5),
+            _filled(mesh, (d * width,), jnp.float32, 0.25),
+        )
+        step = functools.partial(_column_with_output, rows=rows)
+        if _fusions(_compiled(_per_device(mesh, 1)(_chained(step, 1)), carry, ())) != 1:
+            logger.info("XLA does not fuse a %dx%d column reduction with an output", rows, width)
+            continue
+        one, carry = _least_chain_s(mesh, step, carry, (), 1, sizes)
+        many, _ = _least_chain_s(mesh, step, carry, (), sizes.kernel_ops, sizes)
+        seconds = (many - one) / (sizes.kernel_ops - 1) - floor_s
+        return RateTiming(RateKind.COLUMN_REDUCTION_ARRAY, 2 * rows, max(0.0, seconds))
+    return RateTiming(RateKind.COLUMN_REDUCTION_ARRAY, 0.0, 0.0)
 
 
 def measure_kernel_floor(devices: Sequence[jax.Device], sizes: ProfileSizes) -> KernelTiming:

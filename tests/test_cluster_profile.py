@@ -6,11 +6,14 @@ Measurements use `SMALL` sizes so the module runs in seconds; the defaults are w
 """
 
 import dataclasses
+import functools
 import json
 import re
 import statistics
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autopar
@@ -109,8 +112,8 @@ def test_each_op_class_rate_sets_its_spec_field(one):
     or the streaming bandwidth would not give: these ops run at rates of their own."""
     assert [t.kind for t in one.rates] == list(RateKind)
     for t in one.rates:
-        if t.kind is RateKind.COLUMN_REDUCTION:  # a GPU's: not measured on a CPU
-            assert t.seconds == 0 and one.spec.column_reduction_rate is None
+        if t.kind in (RateKind.COLUMN_REDUCTION, RateKind.COLUMN_REDUCTION_ARRAY):
+            assert t.seconds == 0 and getattr(one.spec, t.kind.spec_field) is None  # GPU only
             continue
         assert t.work > 0 and t.seconds > 0
         rate = t.work / t.seconds
@@ -404,3 +407,14 @@ def test_the_convolution_is_timed_at_growing_batches_until_a_run_would_be_too_lo
     timing = microbench.measure_convolution(jax.devices()[:1], SMALL)
     assert batches == [1, 4, 16, 64]  # 64: (1 + 2) x 7.4 ms x 4 > 50 ms, the last measured
     assert timing.work == 2 * 64 * 32 * 32 * 64 * 64 * 9 and timing.seconds == 1e-3 + 64e-4
+
+
+def test_the_fused_column_reduction_benchmark_keeps_its_values_finite_over_its_chain():
+    """The profile chains `sizes.kernel_ops` of these steps on a GPU: each must leave x near 0.5
+    and the column sums finite, or the timed kernels would run on infinities."""
+    rows, width = 512, 32
+    x, m = jnp.full((rows, width), 0.5, jnp.float32), jnp.full((width,), 0.25, jnp.float32)
+    step = jax.jit(functools.partial(microbench._column_with_output, rows=rows))
+    for _ in range(cluster_profile.DEFAULT_SIZES.kernel_ops):
+        x, m = step((x, m))
+    assert np.allclose(x, 0.5, atol=1e-3) and np.allclose(m, rows * 0.25, rtol=1e-2)

@@ -28,6 +28,7 @@ _FORMAT_10_FIELDS = ("launch_overhead_s", "buffer_overhead_s", "all_to_all_facto
 _FORMAT_11_FIELDS = ("kernel_update_s",)
 _FORMAT_12_FIELDS = ("matmul_efficiency",)
 _FORMAT_13_FIELDS = ("column_reduction_rate",)
+_FORMAT_14_FIELDS = ("column_reduction_array_rate",)
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -41,6 +42,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_11_FIELDS,
     *_FORMAT_12_FIELDS,
     *_FORMAT_13_FIELDS,
+    *_FORMAT_14_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -159,6 +161,52 @@ def test_column_reductions_walk_their_rows_at_the_measured_rate(shape, axes, row
     assert _compute_s(step, 0.0, x, GPU_ROWS) == pytest.approx(max(bytes_s, walk_s) + floor)
     unmeasured = dataclasses.replace(GPU_ROWS, column_reduction_rate=None)
     assert _compute_s(step, 0.0, x, unmeasured) == pytest.approx(bytes_s + floor)
+
+
+# ... and whose column reductions with fused outputs walk 1e8 rows/s per array (an H200: 0.34e9)
+GPU_ARRAYS = dataclasses.replace(GPU_ROWS, column_reduction_array_rate=1e8)
+
+
+def _streamed_s(num_bytes: float, spec: ClusterSpec) -> float:
+    return num_bytes / (spec.memory_bandwidth * spec.memory_efficiency)
+
+
+def _reduces_what_it_writes(s, x):
+    y = x * 2 + 1
+    return s, (jnp.sum(y, axis=0), y)
+
+
+def _reduces_beside_a_loop(s, x):
+    return s, (jnp.sum(x, axis=0), x * 2 + 1)
+
+
+@pytest.mark.parametrize("step", [_reduces_what_it_writes, _reduces_beside_a_loop])
+def test_a_column_reduction_with_a_fused_output_walks_its_rows_per_array(step):
+    """x (1024x64) read and y = 2x + 1 written by one GPU kernel that also sums y or x over its
+    rows: 2 arrays x 1024 rows at 1e8 rows/s, one kernel floor. Without the array rate, the
+    plain row walk; on a CPU, where XLA fuses no such kernel, two kernels at their bytes."""
+    x = jax.ShapeDtypeStruct((1024, 64), jnp.float32)
+    loop_s = _streamed_s(2 * x.size * 4, GPU_ARRAYS)  # the element-wise output's bytes
+    floor = GPU_ARRAYS.kernel_overhead_s
+    assert _compute_s(step, 0.0, x, GPU_ARRAYS) == pytest.approx(loop_s + 2 * 1024 / 1e8 + floor)
+    plain = dataclasses.replace(GPU_ARRAYS, column_reduction_array_rate=None)
+    assert _compute_s(step, 0.0, x, plain) == pytest.approx(loop_s + 1024 / 1e9 + floor, rel=0.05)
+    cpu = dataclasses.replace(GPU_ARRAYS, platform="cpu")
+    reduce_s = _streamed_s((x.size + 64) * 4, cpu)
+    assert _compute_s(step, 0.0, x, cpu) == pytest.approx(
+        loop_s + max(reduce_s, 1024 / 1e9) + 2 * floor
+    )
+
+
+def test_a_column_reduction_whose_operand_only_it_reads_walks_its_rows_once():
+    """2x + 1 computed inside the reduction's kernel and written nowhere: no array to write, so
+    the plain row walk prices it even where the array rate is set."""
+    x = jax.ShapeDtypeStruct((1024, 64), jnp.float32)
+    step = lambda s, x: (s, jnp.sum(x * 2 + 1, axis=0))  # noqa: E731
+    read_s = _streamed_s(x.size * 4, GPU_ARRAYS)  # the fused loop's read of x
+    expected = read_s + max(_streamed_s(64 * 4, GPU_ARRAYS), 1024 / 1e9)
+    expected += GPU_ARRAYS.kernel_overhead_s
+    assert _compute_s(step, 0.0, x, GPU_ARRAYS) == pytest.approx(expected, rel=0.01)  # + FLOPs
 
 
 def test_a_split_reduced_dimension_leaves_each_device_fewer_rows():
@@ -361,9 +409,10 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (9, (*_FORMAT_10_FIELDS, *_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
         (10, (*_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
         (11, (*_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
-        (12, _FORMAT_13_FIELDS),
+        (12, (*_FORMAT_13_FIELDS, *_FORMAT_14_FIELDS)),
+        (13, _FORMAT_14_FIELDS),
     ],
-    ids=["format 6", "format 7", "format 8", "format 9", "format 10", "format 11", "format 12"],
+    ids=[f"format {v}" for v in range(6, 14)],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
