@@ -60,6 +60,37 @@ def test_repeated_calls_skip_the_signature_walk_and_still_tell_calls_apart(monke
     assert float(wider_loss) == pytest.approx(float(parallel(second, batch, 2.0)[1]))
 
 
+def test_inputs_already_in_place_are_passed_as_they_are(monkeypatch):
+    """The state a step returns and a batch on the one device of a one-device plan (a single
+    device's sharding, the plan's one-device mesh) go in without a device_put; a batch on
+    another device is moved, and the results match `jax.jit`'s. Without `autopar.init` the
+    default runtime is built once, not on every call."""
+    from autopar.runtime import executable
+
+    def step(params, batch):
+        loss, grads = autopar.value_and_grad(lambda p: jnp.mean((batch @ p) ** 2))(params)
+        return params - 0.1 * grads, loss
+
+    devices = jax.devices()
+    parallel = autopar.parallelize(step, method=autopar.DataParallel(devices=devices[:1]))
+    batch = np.arange(32.0, dtype=np.float32).reshape(8, 4) / 32
+    params, _ = parallel(jnp.ones((4, 4)), batch)
+    on_device, elsewhere = (jax.device_put(batch, d) for d in devices[:2])
+    moved = []
+    put = executable.jax.device_put
+    monkeypatch.setattr(executable.jax, "device_put", lambda *a: moved.append(a) or put(*a))
+    params, _ = parallel(params, on_device)
+    assert moved == []
+    params, loss = parallel(params, elsewhere)
+    assert len(moved) == 1 and moved[0][1].device_set == {devices[0]}
+    expected = jnp.ones((4, 4))
+    for _ in range(3):
+        expected, expected_loss = jax.jit(step)(expected, batch)
+    assert relative_error(params, expected) <= 1e-6
+    assert relative_error(loss, expected_loss) <= 1e-6
+    assert autopar.context.current_runtime() is autopar.context.current_runtime()
+
+
 def test_markers_match_jax_outside_autopar():
     state, batch = mlp.create_train_state(CONFIG), mlp.make_batch(CONFIG, 8)
     ours = jax.jit(_step())(state, batch)
