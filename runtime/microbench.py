@@ -52,8 +52,10 @@ _GRAD_ROWS, _GRAD_SIDE = 4096, 256
 # A bias gradient's column reduction: the most rows XLA:GPU reduces in one kernel
 # (`planner.roofline.COLUMN_REDUCTION_SPLIT`), 64 columns (256 B a row: its bytes are nothing).
 _COLUMN_ROWS, _COLUMN_WIDTH = 4096, 64
-# A layer norm gradient's column reduction with an output of its operand's shape, as XLA:GPU
-# fuses one (shapes it fused so on an H200: a GPT-2's 1024x128, a 512x32), tried in this order.
+# Shapes for a column reduction with an output of its operand's shape, tried in this order
+# until XLA:GPU fuses the two into one kernel: it does so for a GPT-2's layer norm gradients
+# over 1024x128, but an H200 left `_column_with_output` in two kernels there and fused it at
+# 512x32.
 _COLUMN_ARRAY_SHAPES = ((1024, 128), (512, 32))
 
 
