@@ -155,10 +155,9 @@ class Roofline:
         self.fused = fused
         self.cluster = cluster
         self._traffic: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool]] = {}
-        self._leaders: dict[str, str] | None = None
-        # column reduction -> full-shape arrays its kernel reads and writes, where XLA:GPU fuses
-        # element-wise outputs of its operand's shape into it (`kernel_leader`)
-        self._column_arrays: dict[str, int] = {}
+        # on a GPU: (node -> its kernel's leader, column reduction -> the arrays of its
+        # operand's size its kernel reads and writes), from `_multi_output_fusions`
+        self._fusions: tuple[dict[str, str], dict[str, int]] | None = None
         self._copies: dict[str, tuple[tuple[LayoutCopy, ...], bool]] | None = None
 
     def traffic(self, node: OpNode) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
@@ -188,19 +187,23 @@ class Roofline:
         from one kernel), and fuses such loops over a column reduction's operand shape into the
         reduction's kernel (a layer norm gradient writes the input gradient's terms beside the
         scale's); XLA:CPU keeps them apart."""
-        if self.cluster.platform != "gpu":
-            return node.id
-        if self._leaders is None:
-            self._leaders = self._multi_output_fusions()
-        return self._leaders.get(node.id, node.id)
+        return self._gpu_fusions()[0].get(node.id, node.id)
 
-    def _multi_output_fusions(self) -> dict[str, str]:
+    def _gpu_fusions(self) -> tuple[dict[str, str], dict[str, int]]:
+        """`_multi_output_fusions` on a GPU, computed once; nothing joins on a CPU."""
+        if self.cluster.platform != "gpu":
+            return {}, {}
+        if self._fusions is None:
+            self._fusions = self._multi_output_fusions()
+        return self._fusions
+
+    def _multi_output_fusions(self) -> tuple[dict[str, str], dict[str, int]]:
         """Node -> the first node of its multi-output fusion (see `kernel_leader`), for the
         element-wise nodes that write a result and the column reductions, which join over
         their operand's shape. Operands of rank 0 (a learning rate, a step count) join
         nothing, and nodes join only at the same level (how many non-element-wise kernels lead
         to them, at most), so that no fusion waits for its own result through a matmul or a
-        reduction. Fills `_column_arrays`."""
+        reduction. And column reduction -> its arrays (`_arrays_of_column_reductions`)."""
         graph = self.grouping.graph
         order: dict[str, int] = {}
         parent: dict[str, str] = {}
@@ -254,8 +257,7 @@ class Roofline:
                 if found != node.id:
                     join(node.id, found)  # reads what another reads
         leaders = {n: root(n) for n in parent}
-        self._column_arrays = self._arrays_of_column_reductions(reductions, leaders, reads)
-        return leaders
+        return leaders, self._arrays_of_column_reductions(reductions, leaders, reads)
 
     def _arrays_of_column_reductions(
         self,
@@ -379,8 +381,8 @@ class Roofline:
         walked = 2 * math.sqrt(rows) if split else rows
         seconds = 0.0 if rate is None else walked / rate
         if array_rate is not None and not split:
-            self.kernel_leader(node)  # fills _column_arrays
-            seconds = max(seconds, walked * self._column_arrays.get(node.id, 0) / array_rate)
+            arrays = self._gpu_fusions()[1].get(node.id, 0)
+            seconds = max(seconds, walked * arrays / array_rate)
         if seconds == 0.0:
             return 0.0
         return seconds + (self.cluster.kernel_overhead_s if split else 0.0)
