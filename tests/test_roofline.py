@@ -84,6 +84,7 @@ def test_peak_depends_on_dtype_and_precision():
         ("conv_flops", -1.0),
         ("transpose_bandwidth", float("nan")),
         ("column_reduction_rate", -1e9),
+        ("column_reduction_array_rate", 0.0),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
