@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import inspect
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +22,7 @@ from autopar.markers import held_by_module, tracing_scope
 from autopar.options import LayerOption
 from autopar.planner._jax_compat import source_scope
 from autopar.planner.errors import InvalidArgumentError, TracingError
+from autopar.planner.fingerprint import jaxpr_fingerprint
 from autopar.planner.graph import (
     TensorInfo,
     build_graph,
@@ -242,11 +241,6 @@ def _micro_batch_aval(aval: Any, k: int) -> Any:
     return aval.update(shape=(aval.shape[0] // k, *aval.shape[1:]))
 
 
-def _fingerprint(closed: ClosedJaxpr) -> str:
-    text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Re-trace `closed` with nested calls inlined, keeping `checkpoint` eqns (see module doc)."""
 
@@ -397,7 +391,7 @@ def trace_step(
         output_to_input=output_to_input,
     )
     program = Program(
-        graph=build_graph(closed), signature=signature, fingerprint=_fingerprint(closed)
+        graph=build_graph(closed), signature=signature, fingerprint=jaxpr_fingerprint(closed)
     )
     return TracedStep(
         fun_name=fun_name,

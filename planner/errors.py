@@ -30,6 +30,9 @@ class MemoryBudgetError(PlanningError):
         self.budget = budget
         self.least = least
 
+    def __reduce__(self):  # pickled whole, as a worker process (`forked`) sends it back
+        return type(self), (str(self), self.budget, self.least)
+
 
 class InfeasibleError(PlanningError):
     """The sharding ILP has no solution at all, whatever the memory budget (e.g. inputs pinned

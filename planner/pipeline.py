@@ -21,8 +21,6 @@ runs its parts with that plan.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
 from collections.abc import Sequence
 
 from jax.extend.core import (
@@ -36,6 +34,7 @@ from jax.extend.core import (
 )
 
 from autopar.planner.errors import PlanningError
+from autopar.planner.fingerprint import jaxpr_fingerprint
 from autopar.planner.graph import build_graph, tensor_info
 from autopar.planner.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.micro_batches import ancestors, describe_eqn
@@ -283,14 +282,14 @@ class StageProgram:
         return [(str(i), self.closed.jaxpr.eqns[i]) for i in range(*bounds)]
 
 
-_UNSTRUCTURAL_PARAMS = re.compile(r"(index|layer)=\d+|grad_of=\([^)]*\)")
+# markers' parameters that say which parameter or layer they touch, not what is computed
+_UNSTRUCTURAL_PARAMS = ("index", "layer", "grad_of")
 
 
 def structural_fingerprint(closed: ClosedJaxpr) -> str:
     """Equal for programs that differ only in which parameters and layers they touch, so
     repeated layers are planned and costed once."""
-    text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed))
-    return hashlib.sha256(_UNSTRUCTURAL_PARAMS.sub("", text).encode()).hexdigest()[:16]
+    return jaxpr_fingerprint(closed, _UNSTRUCTURAL_PARAMS)
 
 
 def stage_program(

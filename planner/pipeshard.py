@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -37,12 +38,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from autopar.planner.cluster import ClusterSpec
 from autopar.planner.cost import LogicalMesh, logical_mesh, spec_bytes_per_device
 from autopar.planner.errors import MemoryBudgetError, PlanningError
+from autopar.planner.forked import ForkedWorkers, process_count
 from autopar.planner.gradients import gradient_chains
 from autopar.planner.groups import group_graph
 from autopar.planner.intra import (
@@ -280,6 +282,7 @@ class _LayerPlans:
     `shapes`, and each one's strategies (a start for a stage's ILP). The ILP is built on first
     use (by whichever thread plans it)."""
 
+    key: tuple  # (structure, mesh kind, forced batch axis): `LayerCosts._plans`'s key
     stage: StageProgram
     mesh: MeshPlan
     build: Callable[[], ShardingProblem]
@@ -324,11 +327,14 @@ class LayerCosts:
         # serve every layer of that structure
         self._analyses: dict[int, tuple[StageProgram, ProgramAnalysis, float]] = {}
         self._plans: dict[tuple, _LayerPlans] = {}
+        # (layer, logical mesh) -> `_layer_plans`' answer: the DP asks for it ~10^5 times
+        self._plans_of: dict[tuple[int, tuple], _LayerPlans | None] = {}
         self.ilp_solves = 0
         self.step_bound_s = math.inf
         self._extra: dict[tuple, float] = {}  # stage -> memory it needs beyond its estimate
         self._latency: dict[tuple, float] = {}  # stage -> its whole plan's latency (`reprice`)
         self._count_lock = threading.Lock()
+        self._workers: ForkedWorkers | None = None  # while `planning_processes` runs
 
     def layer_program(self, layer: int) -> StageProgram:
         if layer not in self._programs:
@@ -353,19 +359,36 @@ class LayerCosts:
         self._squeeze_to(plans, levels)
         return tuple(plans.found[:levels])
 
+    @contextlib.contextmanager
+    def planning_processes(self, logicals: Iterable[tuple[int, int]]) -> Iterator[None]:
+        """While the block runs, the layer plans on `logicals` that `prefetch` and
+        `prefetch_squeezed` ask for are planned in worker processes forked from this one
+        (`forked`: the ILPs' Python runs in parallel too), where the platform forks and more
+        than one process is set; elsewhere on threads."""
+        count = process_count()
+        if not count or self._workers is not None:
+            yield
+            return
+        for logical in dict.fromkeys(logicals):  # every layer plan the workers may plan
+            for layer in range(self.parts.num_layers):
+                self._layer_plans(layer, logical)
+        with ForkedWorkers(count, self._plan_level, self._plans) as workers:
+            self._workers = workers
+            try:
+                yield
+            finally:
+                self._workers = None
+
     def prefetch(self, logicals: Iterable[tuple[int, int]], workers: int | None = None) -> None:
         """Plan every layer's fastest plan on each of `logicals`, `workers` (default: the CPU
-        count) ILPs at a time: the solver runs outside Python's GIL, and the DP asks for all
-        of them anyway."""
+        count) ILPs at a time: the DP asks for all of them anyway."""
         pending = {
             id(plans): plans
             for logical in dict.fromkeys(logicals)
             for layer in range(self.parts.num_layers)
             if (plans := self._layer_plans(layer, logical)) is not None and not plans.found
         }
-        with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
-            solves = pool.map(self._squeeze, pending.values())
-            list(progress(solves, desc="layer plans (ILP)", total=len(pending), unit="ILP"))
+        self._plan_next(list(pending.values()), "layer plans (ILP)", workers)
 
     def prefetch_squeezed(
         self, candidates: Iterable[tuple[int, int, tuple, tuple]], workers: int | None = None
@@ -384,11 +407,24 @@ class LayerCosts:
             }
             if not pending:
                 return
-            squeeze = functools.partial(self._squeeze_to, levels=level + 1)
-            with ThreadPoolExecutor(min(len(pending), workers or os.cpu_count() or 1)) as pool:
-                done = pool.map(squeeze, pending.values())
-                desc = f"squeezed layer plans, level {level}"
-                list(progress(done, desc=desc, total=len(pending), unit="layer"))
+            self._plan_next(list(pending.values()), f"squeezed layer plans, level {level}", workers)
+
+    def _plan_next(self, pending: list[_LayerPlans], desc: str, workers: int | None) -> None:
+        """Plan each of `pending` at its next level: in the worker processes while they run
+        (`planning_processes`), else `workers` (default: the CPU count) threads at a time (the
+        solver runs outside Python's GIL)."""
+        pending = [plans for plans in pending if not self._exhausted(plans)]
+        if not pending:
+            return
+        if self._workers is not None and all(p.key in self._workers.keys for p in pending):
+            planned = self._workers.map((plans.key, len(plans.found)) for plans in pending)
+            planned = progress(planned, desc=desc, total=len(pending), unit="ILP")
+            for plans, result in zip(pending, planned, strict=True):
+                self._record(plans, result)
+            return
+        with ThreadPoolExecutor(min(len(pending), workers or os.cpu_count() or 1)) as pool:
+            solves = pool.map(self._squeeze, pending)
+            list(progress(solves, desc=desc, total=len(pending), unit="ILP"))
 
     def _to_squeeze(self, start: int, end: int, logical: tuple, level: int) -> list[_LayerPlans]:
         """The layers of stage [start, end) on `logical` (each with its fastest plan) still to
@@ -410,6 +446,11 @@ class LayerCosts:
         (up to the order of its ops and inputs) on the same mesh kind; None where the layer
         cannot run on it, or never fits there (its floor, `whole_peak_bytes`, says so without
         building the ILP)."""
+        if (layer, logical) not in self._plans_of:
+            self._plans_of[layer, logical] = self._new_layer_plans(layer, logical)
+        return self._plans_of[layer, logical]
+
+    def _new_layer_plans(self, layer: int, logical: tuple) -> _LayerPlans | None:
         stage = self.layer_program(layer)
         intra = stage_intra_config(self.config, logical, self.program.signature)
         if intra is None:
@@ -446,20 +487,40 @@ class LayerCosts:
             shapes = stage_shapes(
                 self.parts.num_layers, self.num_devices, math.prod(logical), self.config
             )
-            self._plans[key] = _LayerPlans(stage, mesh, build, shapes, [])
+            self._plans[key] = _LayerPlans(key, stage, mesh, build, shapes, [])
         return self._plans[key]
 
     def _squeeze(self, plans: _LayerPlans) -> None:
-        """Plan the layer once more: its fastest plan within device memory first, then one for
-        its next stage shape (whose layers an interleaved schedule splits into chunks on the
-        same mesh, sharing its memory as one stage's would)."""
-        start = time.perf_counter()
-        level = len(plans.found)
-        if level > len(plans.shapes):
+        """Plan the layer at its next level (`_plan_level`) and record the plan."""
+        if not self._exhausted(plans):
+            self._record(plans, self._plan_level(plans.key, len(plans.found)))
+
+    @staticmethod
+    def _exhausted(plans: _LayerPlans) -> bool:
+        """Whether the layer has no next level to plan (marked so where it has no deeper stage
+        shape)."""
+        if len(plans.found) > len(plans.shapes):
             plans.exhausted = True
-            return
+        return plans.exhausted
+
+    def _record(
+        self, plans: _LayerPlans, planned: tuple[LayerCost, StructureStrategies] | None
+    ) -> None:
         with self._count_lock:
             self.ilp_solves += 1
+        if planned is None:
+            plans.exhausted = True
+        else:
+            plans.found.append(planned[0])
+            plans.strategies.append(planned[1])
+
+    def _plan_level(self, key: tuple, level: int) -> tuple[LayerCost, StructureStrategies] | None:
+        """The layer's plan at squeeze `level` (None: none fits, or no level that deep): its
+        fastest plan within device memory at level 0, then one for its stage shape (whose
+        layers an interleaved schedule splits into chunks on the same mesh, sharing its memory
+        as one stage's would). It runs in a worker process (`forked`) or a thread."""
+        start = time.perf_counter()
+        plans = self._plans[key]
         if level == 0:
             shape, problem, budget = StageShape(1, 1), plans.problem, self.device_memory
         else:
@@ -481,8 +542,7 @@ class LayerCosts:
             time.perf_counter() - start,
         )
         if found is None:
-            plans.exhausted = True
-            return
+            return None
         plan = found.plan
         stash = stash_bytes(plans.stage, plan.stages[0])
         state = state_bytes(plans.stage, plan.stages[0])
@@ -490,10 +550,8 @@ class LayerCosts:
         temporary = plan.predicted.memory_per_device_bytes - shape.depth * state
         temporary -= shape.depth * shape.flight * stash
         k = self.config.num_micro_batches
-        plans.strategies.append(found.strategies)
-        plans.found.append(
-            LayerCost(plan.predicted.step_time_s / k, state, stash, max(0.0, temporary))
-        )
+        latency = plan.predicted.step_time_s / k
+        return LayerCost(latency, state, stash, max(0.0, temporary)), found.strategies
 
     def __call__(
         self, start: int, end: int, submesh: tuple, logical: tuple
@@ -642,20 +700,21 @@ def _solve(
                 submesh, option.submesh_logical_shape_space, cluster_shape[1]
             )
         ]
-        cost_fn.prefetch(logical for _, logical in meshes)
-        cost_fn.step_bound_s = _best_step(args, option, schedule, cost_fn.fastest)
-        stages = [
-            (start, end, submesh, logical)
-            for start in range(num_layers)
-            for end in range(start + 1, num_layers + 1)
-            for submesh, logical in meshes
-        ]
-        if cluster_shape[0] > 1:
-            cost_fn.prefetch_squeezed(stage for stage in stages if stage[2][0] == 1)
-            within_host = functools.partial(_within_host, cost_fn)
-            bound = _best_step(args, option, schedule, within_host)
-            cost_fn.step_bound_s = min(cost_fn.step_bound_s, bound)
-        cost_fn.prefetch_squeezed(stages)
+        with cost_fn.planning_processes(logical for _, logical in meshes):
+            cost_fn.prefetch(logical for _, logical in meshes)
+            cost_fn.step_bound_s = _best_step(args, option, schedule, cost_fn.fastest)
+            stages = [
+                (start, end, submesh, logical)
+                for start in range(num_layers)
+                for end in range(start + 1, num_layers + 1)
+                for submesh, logical in meshes
+            ]
+            if cluster_shape[0] > 1:
+                cost_fn.prefetch_squeezed(stage for stage in stages if stage[2][0] == 1)
+                within_host = functools.partial(_within_host, cost_fn)
+                bound = _best_step(args, option, schedule, within_host)
+                cost_fn.step_bound_s = min(cost_fn.step_bound_s, bound)
+            cost_fn.prefetch_squeezed(stages)
     return solve_stages(*args, option, schedule=schedule)
 
 
@@ -778,6 +837,21 @@ def _plan_stage(
     return plan
 
 
+def _plan_stages(
+    jobs: dict[tuple, _StageJob], plan_job: Callable[[_StageJob], Plan | MemoryBudgetError]
+) -> list[Plan | MemoryBudgetError]:
+    """Each job planned as a whole (`plan_job`), in worker processes forked for them where
+    there are several (`forked`), else on threads: half of an ILP's time is Python."""
+    count = min(process_count(), len(jobs))
+    if count > 1:
+        with ForkedWorkers(count, lambda key, _: plan_job(jobs[key]), jobs) as workers:
+            done = workers.map((key, None) for key in jobs)
+            return list(progress(done, desc="stage plans (ILP)", total=len(jobs), unit="stage"))
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+        done = pool.map(plan_job, jobs.values())
+        return list(progress(done, desc="stage plans (ILP)", total=len(jobs), unit="stage"))
+
+
 def _check_memory_floor(
     parts: StepParts, program: Program, cluster_shape: tuple[int, int], memory: float
 ) -> None:
@@ -860,13 +934,11 @@ def plan_pipeshard(
         per_mesh = solution.stages_per_mesh
         chosen, jobs = _stage_jobs(parts, program, config, costs, schedule, solution, cluster_shape)
         todo = {key: job for key, job in jobs.items() if (*key, per_mesh) not in solved}
-        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1) or 1) as pool:
-            plan_jobs = functools.partial(  # the stages on a mesh share its memory
-                _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory / per_mesh
-            )
-            done = pool.map(plan_jobs, todo.values())
-            done = progress(done, desc="stage plans (ILP)", total=len(todo), unit="stage")
-            solved.update(((*key, per_mesh), plan) for key, plan in zip(todo, done, strict=True))
+        plan_job = functools.partial(  # the stages on a mesh share its memory
+            _plan_stage, cluster=cluster, num_micro_batches=k, memory=memory / per_mesh
+        )
+        done = _plan_stages(todo, plan_job)
+        solved.update(((*key, per_mesh), plan) for key, plan in zip(todo, done, strict=True))
         planned = {key: solved[(*key, per_mesh)] for key in jobs}
         failed = {key: p for key, p in planned.items() if isinstance(p, MemoryBudgetError)}
         slow = {}

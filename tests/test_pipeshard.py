@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 
 import jax
@@ -313,6 +314,52 @@ def test_prefetched_layer_plans_equal_sequential_ones():
     assert parallel.ilp_solves == solves == sequential.ilp_solves > 0
 
 
+def _stages_within_a_host(parts) -> list[tuple]:
+    """Every layer range on 2 and 4 devices of one host, as the DP's cost_fn takes them."""
+    return [
+        (start, end, (1, devices), (1, devices))
+        for start in range(parts.num_layers)
+        for end in range(start + 1, parts.num_layers + 1)
+        for devices in (2, 4)
+    ]
+
+
+def test_layer_plans_in_forked_workers_equal_those_planned_here(monkeypatch, tmp_path):
+    """The squeezed layer plans the DP asks for, planned in two forked worker processes
+    (`LayerCosts.planning_processes`), are the plans planned one by one in this process; the
+    workers planned them (each layer ILP in one worker, at all its levels)."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
+    stages = _stages_within_a_host(parts)
+    plan_level = LayerCosts._plan_level
+
+    def logged(self, key, level):  # runs in the workers: each appends its pid and the key
+        with open(tmp_path / "planned", "a") as log:
+            log.write(f"{os.getpid()} {hash(key)} {level}\n")
+        return plan_level(self, key, level)
+
+    monkeypatch.setattr(LayerCosts, "_plan_level", logged)
+    monkeypatch.setenv("AUTOPAR_PLANNING_PROCESSES", "2")
+    forked = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    with forked.planning_processes(logical for *_, logical in stages):
+        forked.prefetch(logical for *_, logical in stages)
+        forked.prefetch_squeezed(stages)
+    monkeypatch.setattr(LayerCosts, "_plan_level", plan_level)
+    here = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    squeezed = [here(*stage) for stage in stages]
+    assert any(len(alternatives) > 1 for alternatives in squeezed)
+    assert [forked(*stage) for stage in stages] == squeezed
+    assert forked.ilp_solves == here.ilp_solves
+    planned = [line.split() for line in (tmp_path / "planned").read_text().splitlines()]
+    assert len(planned) == forked.ilp_solves
+    assert str(os.getpid()) not in {pid for pid, _, _ in planned}
+    owners = {}
+    for pid, key, _ in planned:
+        assert owners.setdefault(key, pid) == pid
+    assert any(level != "0" for _, _, level in planned)
+
+
 def test_candidate_layer_ilps_run_without_presolve(monkeypatch):
     """The stage search's candidate layer ILPs stop at a quarter of the time limit by design,
     and HiGHS solves them without its presolve (`CANDIDATE_PRESOLVE`); a plan solved as emitted
@@ -415,12 +462,7 @@ def test_squeezed_layer_plans_prefetched_in_parallel_equal_lazy_ones():
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
     pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
-    stages = [
-        (start, end, (1, devices), (1, devices))
-        for start in range(parts.num_layers)
-        for end in range(start + 1, parts.num_layers + 1)
-        for devices in (2, 4)
-    ]
+    stages = _stages_within_a_host(parts)
     parallel = LayerCosts(parts, traced.program, cluster, pipeline, 8)
     parallel.prefetch_squeezed(stages, workers=2)
     solves = parallel.ilp_solves
@@ -665,6 +707,7 @@ def test_a_chosen_stage_that_does_not_fit_as_a_whole_is_searched_again(monkeypat
         return plan_stage(job, cluster, num_micro_batches, memory)
 
     monkeypatch.setattr(pipeshard_module, "_plan_stage", refusing_the_first)
+    monkeypatch.setenv("AUTOPAR_PLANNING_PROCESSES", "0")  # `refused` is kept in this process
     costs = LayerCosts(parts, traced.program, cluster, pipeline, 8)
     plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline, costs)
     flights = plan.pipeline_schedule.stage_in_flight(len(plan.stages), MICRO_BATCHES)
@@ -709,6 +752,7 @@ def test_a_chosen_stage_far_slower_as_a_whole_is_repriced(monkeypatch):
 
     plain = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
     assert "searches" not in plain.notes[0]
+    monkeypatch.setenv("AUTOPAR_PLANNING_PROCESSES", "0")  # `slowed` is kept in this process
 
     monkeypatch.setattr(pipeshard_module, "_plan_stage", slowing(100.0))
     plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline)
