@@ -280,7 +280,7 @@ def stage_shapes(
 class _LayerPlans:
     """One layer's plans on one mesh kind so far: the fastest first, then one per squeezed
     `shapes`, and each one's strategies (a start for a stage's ILP). The ILP is built on first
-    use (by whichever thread plans it)."""
+    use, by whichever thread or worker process (`forked`) plans it."""
 
     key: tuple  # (structure, mesh kind, forced batch axis): `LayerCosts._plans`'s key
     stage: StageProgram
