@@ -2,9 +2,10 @@
 
 Printing a step with jax's pretty-printer took 3.3 s on a 48-layer Flax GPT, and planning hashes
 the step and every stage program it plans. Walking the eqns hashes the same content (primitives,
-parameters, avals and how values flow, variables numbered in order of appearance) in a fraction
-of that. A fingerprint is the same in every process that traces the same program: addresses in
-parameters' reprs (a custom rule's function) are blanked.
+parameters, avals and how values flow, variables numbered in order of appearance) in about
+half the time (0.55 s against 1.0 s on an 11.8k-eqn step). A fingerprint is the same in every
+process that traces the same program: addresses in parameters' reprs (a custom rule's function)
+are blanked.
 """
 
 from __future__ import annotations
