@@ -831,7 +831,7 @@ class ShardingProblem:
         """The plan of `choice` within `budget` (`solution` None: the least-memory plan), its
         ILP solved since `began`; `warn`: say where the ILP stopped at its time limit."""
         program, problem = self.program, self.problem
-        if warn and solution is not None and not solution.optimal:
+        if warn and solution is not None and solution.timed_out:
             logger.warning(
                 "the sharding ILP hit its time limit (%.3g s); using the best plan found, which "
                 "may not be optimal (raise AutoShardingOption.time_limit_s)",
@@ -854,7 +854,13 @@ class ShardingProblem:
         if solution is None:
             outcome = "the least-memory plan (the faster ones do not fit as emitted)"
         else:
-            outcome = "optimal" if solution.optimal else "time limit hit, best found"
+            outcome = (
+                "optimal"
+                if solution.optimal
+                else "time limit hit, best found"
+                if solution.timed_out
+                else "rounded from its LP relaxation"
+            )
         note = f"ILP over {len(problem.grouping.groups)} groups ({problem.num_classes} classes), "
         note += outcome
         sig = program.signature

@@ -387,9 +387,9 @@ def test_candidate_layer_ilps_round_the_lp_relaxation(monkeypatch):
     solves = []
     solve = ilp_module.IntraOpIlp._solve
 
-    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False):
+    def recorded(self, model, closed, limit, start, relaxed=False, first_plan=False, **kw):
         solves.append("relaxed" if relaxed else "mip")
-        return solve(self, model, closed, limit, start, relaxed, first_plan)
+        return solve(self, model, closed, limit, start, relaxed, first_plan, **kw)
 
     monkeypatch.setattr(ilp_module.IntraOpIlp, "_solve", recorded)
     traced, parts, pipeline = _auto_stage_parts()
