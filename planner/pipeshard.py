@@ -397,14 +397,21 @@ class LayerCosts:
         self._plan_next(list(pending.values()), "layer plans (ILP)", workers)
 
     def prefetch_squeezed(
-        self, candidates: Iterable[tuple[int, int, tuple, tuple]], workers: int | None = None
+        self,
+        candidates: Iterable[tuple[int, int, tuple, tuple]],
+        workers: int | None = None,
+        best_step: Callable[[CostFn], float] | None = None,
     ) -> None:
         """Plan the squeezed alternatives the DP will ask for among `candidates` (start, end,
         submesh, logical), a level at a time: a stage gets its next level only where its last
         one may still not fit (`_needs_tighter`). Within a level, each layer and mesh is one
-        task, all of them `workers` at a time."""
+        task, all of them `workers` at a time. Before each level, `best_step` (the step of the
+        best plan under a cost_fn) of the levels planned so far (`planned`) lowers
+        `step_bound_s`: a stage that cannot beat a plan already found is not squeezed deeper."""
         candidates = list(candidates)
         for level in range(1, MAX_ALTERNATIVES):
+            if best_step is not None and level > 1:
+                self.step_bound_s = min(self.step_bound_s, best_step(self.planned))
             pending = {
                 id(plans): plans
                 for start, end, submesh, logical in candidates
@@ -634,6 +641,18 @@ class LayerCosts:
             and (plans.mesh.shape, plans.mesh.axis_names) == (mesh.shape, mesh.axis_names)
         ]
 
+    def planned(
+        self, start: int, end: int, submesh: tuple, logical: tuple
+    ) -> tuple[StageCost, ...]:
+        """A cost_fn of stages at the levels their layers have been planned at so far
+        (planning nothing): each is a stage the DP may take later, so the best plan under it
+        bounds the step the search will find."""
+        layers = [self._layer_plans(layer, logical) for layer in range(start, end)]
+        if not all(plans and plans.found for plans in layers):
+            return ()
+        found = [tuple(plans.found) for plans in layers]
+        return tuple(_stage_cost(found, lv) for lv in range(max(map(len, found))))
+
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
     ) -> tuple[StageCost, ...]:
@@ -720,7 +739,9 @@ def _solve(
                 within_host = functools.partial(_within_host, cost_fn)
                 bound = _best_step(args, option, schedule, within_host)
                 cost_fn.step_bound_s = min(cost_fn.step_bound_s, bound)
-            cost_fn.prefetch_squeezed(stages)
+            cost_fn.prefetch_squeezed(
+                stages, best_step=functools.partial(_best_step, args, option, schedule)
+            )
     return solve_stages(*args, option, schedule=schedule)
 
 

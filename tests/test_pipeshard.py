@@ -36,6 +36,7 @@ from autopar.planner.pipeshard import (
     LayerCosts,
     PipelineConfig,
     StageShape,
+    _stage_cost,
     plan_pipeshard,
     range_program,
     stage_intra_config,
@@ -688,6 +689,48 @@ def _same_plan_fewer_solves(traced, parts, pipeline, cluster, cluster_shape, exh
         solves.append(costs.ilp_solves)
     assert plans[0] == plans[1]
     assert solves[0] < solves[1]
+
+
+class _LevelUnboundedLayerCosts(LayerCosts):
+    """LayerCosts whose bound stays as it was before the first squeeze level."""
+
+    def prefetch_squeezed(self, candidates, workers=None, best_step=None):
+        super().prefetch_squeezed(candidates, workers)
+
+
+def test_each_squeeze_level_is_bounded_by_the_best_plan_of_the_levels_before():
+    """Before it squeezes stages a level deeper, the search lowers its bound to the step of the
+    best plan of the levels planned so far (`LayerCosts.planned`: each stage at every level
+    its layers have, planning nothing); the plan is the one it finds without that."""
+    traced, parts, pipeline = _auto_stage_parts()
+    cluster = autopar.ClusterSpec.local(8)
+    pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
+    stages = _stages_within_a_host(parts)
+    costs = LayerCosts(parts, traced.program, cluster, pipeline, 8)
+    costs.step_bound_s = 1e9
+    asked = []
+
+    def best_step(cost_fn) -> float:
+        solves = costs.ilp_solves
+        for start, end, submesh, logical in stages:
+            found = [costs._layer_plans(k, logical).found for k in range(start, end)]
+            levels = range(max(map(len, found)))
+            expected = tuple(_stage_cost(found, lv) for lv in levels) if all(found) else ()
+            assert cost_fn(start, end, submesh, logical) == expected
+        assert costs.ilp_solves == solves  # nothing planned
+        asked.append(costs.ilp_solves)
+        return 123.0
+
+    costs.prefetch_squeezed(stages, best_step=best_step)
+    assert len(asked) == 1 and 0 < asked[0] < costs.ilp_solves  # before level 2 only
+    assert costs.step_bound_s == 123.0
+    assert any(len(costs(*stage)) > 2 for stage in stages)  # level 2 was planned
+    results = []
+    for costs_class in (LayerCosts, _LevelUnboundedLayerCosts):
+        costs = costs_class(parts, traced.program, cluster, pipeline, 8)
+        plan = plan_pipeshard(parts, traced.program, cluster, (1, 8), pipeline, costs)
+        results.append((dataclasses.replace(plan, notes=()), costs.ilp_solves))
+    assert results[0][0] == results[1][0] and results[0][1] <= results[1][1]
 
 
 def test_a_chosen_stage_that_does_not_fit_as_a_whole_is_searched_again(monkeypatch):
