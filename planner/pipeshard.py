@@ -405,9 +405,10 @@ class LayerCosts:
         """Plan the squeezed alternatives the DP will ask for among `candidates` (start, end,
         submesh, logical), a level at a time: a stage gets its next level only where its last
         one may still not fit (`_needs_tighter`). Within a level, each layer and mesh is one
-        task, all of them `workers` at a time. Before each level, `best_step` (the step of the
-        best plan under a cost_fn) of the levels planned so far (`planned`) lowers
-        `step_bound_s`: a stage that cannot beat a plan already found is not squeezed deeper."""
+        task, all of them `workers` at a time. Before each level after the first, `best_step`
+        (the step of the best plan under a cost_fn) of the levels planned so far (`planned`)
+        lowers `step_bound_s`: a stage that cannot beat a plan already found is not squeezed
+        deeper (the first level's bound is the caller's)."""
         candidates = list(candidates)
         for level in range(1, MAX_ALTERNATIVES):
             if best_step is not None and level > 1:
