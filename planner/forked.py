@@ -5,8 +5,11 @@ emitted plan) and half HiGHS, so threads share one core's worth of the Python un
 2 CPUs the 42 fastest layer plans of a Flax GPT-39B took 88 s on one thread, 71 s on two threads
 and 39 s in two forked processes. A forked worker inherits the program, its analyses and the
 layer plans registered before the fork without pickling any of them (a jaxpr does not pickle);
-only a task's key and its small result cross. Each key is routed to one worker for good, so a
-layer's ILP is built once there and solved again at each squeeze level.
+only a task's key and its small result cross. A new key goes to the first free worker, which
+builds the layer's ILP and keeps it for the squeeze levels after; a free worker with none of its
+own keys left takes a queued task of a busy one (building that ILP again) rather than wait: the
+layer ILPs take 0.2 to 11 s, and a fixed split of the keys left one worker idle for a third of
+a level while the other ran a long one.
 
 The children run the planner's Python, numpy and HiGHS (one thread per solve), never JAX or
 XLA, whose threads the fork leaves behind. Only on Linux, where fork is the default start
@@ -22,7 +25,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -56,9 +59,10 @@ def _run(token: int, key: Hashable, argument: Any) -> Any:
 
 
 class ForkedWorkers:
-    """`count` worker processes, each owning the keys routed to it, that run `task(key,
-    argument)` on the `keys` given here (and on no other: they are what the fork captured).
-    Use as a context manager: the workers fork at the first task and are joined on exit."""
+    """`count` worker processes that run `task(key, argument)` on the `keys` given here (and on
+    no other: they are what the fork captured), each task in a worker that ran its key before
+    where one is free (module docstring). Use as a context manager: the workers fork at the
+    first task and are joined on exit."""
 
     def __init__(
         self, count: int, task: Callable[[Hashable, Any], Any], keys: Iterable[Hashable]
@@ -68,7 +72,7 @@ class ForkedWorkers:
         _TASKS[self._token] = task
         context = multiprocessing.get_context("fork")
         self._pools = [ProcessPoolExecutor(1, mp_context=context) for _ in range(count)]
-        self._owner: dict[Hashable, ProcessPoolExecutor] = {}
+        self._ran: dict[Hashable, set[int]] = {}  # key -> the workers that ran it
 
     def __enter__(self) -> ForkedWorkers:
         return self
@@ -79,27 +83,59 @@ class ForkedWorkers:
         _TASKS.pop(self._token, None)
 
     def map(self, tasks: Iterable[tuple[Hashable, Any]]) -> Iterator[Any]:
-        """Each task's (key, argument) result, in order, the tasks running in their keys'
-        workers meanwhile; a PlanningError where a worker died."""
-        futures = [self._submit(key, argument) for key, argument in tasks]
-        for future in futures:
-            try:
-                yield future.result()
-            except BrokenProcessPool as e:
+        """Each task's (key, argument) result, in order, the tasks running in the workers
+        meanwhile; a PlanningError where a worker died."""
+        tasks = list(tasks)
+        for key, _ in tasks:
+            if key not in self.keys:
                 raise PlanningError(
-                    f"a worker process planning layer ILPs died ({e}); set "
-                    f"{PROCESSES_ENV}=0 to plan them on threads in this process instead"
-                ) from None
+                    f"layer ILP {key!r} was not registered before the workers forked"
+                )
+        queued, running, results = list(range(len(tasks))), {}, {}
+        for index in range(len(tasks)):
+            while index not in results:
+                busy = {worker for worker, _ in running.values()}
+                for worker, task in self._dispatch(tasks, queued, busy):
+                    running[self._submit(worker, *tasks[task])] = worker, task
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    results[running.pop(future)[1]] = self._result(future)
+            yield results.pop(index)
 
-    def _submit(self, key: Hashable, argument: Any) -> Future:
-        if key not in self.keys:
-            raise PlanningError(f"layer ILP {key!r} was not registered before the workers forked")
-        if key not in self._owner:  # the least loaded worker takes a new key for good
-            loads = [sum(o is pool for o in self._owner.values()) for pool in self._pools]
-            self._owner[key] = self._pools[loads.index(min(loads))]
+    def _dispatch(
+        self, tasks: list[tuple[Hashable, Any]], queued: list[int], busy: set[int]
+    ) -> Iterator[tuple[int, int]]:
+        """(worker, task) for each idle worker that gets one, taken off `queued`: first a task
+        of a key it ran before or of a new key, then (every idle worker served) the last queued
+        task of a key that only busy workers ran."""
+        idle = [w for w in range(len(self._pools)) if w not in busy]
+        for stealing in (False, True):
+            for worker in idle[:]:
+                mine = [
+                    t
+                    for t in queued
+                    if worker in self._ran.get(tasks[t][0], {worker})
+                    or (stealing and t == queued[-1])
+                ]
+                if mine:
+                    queued.remove(mine[0])
+                    idle.remove(worker)
+                    self._ran.setdefault(tasks[mine[0]][0], set()).add(worker)
+                    yield worker, mine[0]
+
+    def _result(self, future: Future) -> Any:
+        try:
+            return future.result()
+        except BrokenProcessPool as e:
+            raise PlanningError(
+                f"a worker process planning layer ILPs died ({e}); set "
+                f"{PROCESSES_ENV}=0 to plan them on threads in this process instead"
+            ) from None
+
+    def _submit(self, worker: int, key: Hashable, argument: Any) -> Future:
         with warnings.catch_warnings():
             # JAX (and Python >= 3.12) warn that a fork of a multithreaded process may
             # deadlock; the children run no JAX or XLA code (see the module docstring)
             warnings.filterwarnings("ignore", message=r".*fork\(\)", category=RuntimeWarning)
             warnings.filterwarnings("ignore", message=r".*fork\(\)", category=DeprecationWarning)
-            return self._owner[key].submit(_run, self._token, key, argument)
+            return self._pools[worker].submit(_run, self._token, key, argument)

@@ -1,8 +1,10 @@
 """Worker processes forked for the layer ILPs (`planner.forked`): tasks run in other processes,
-each key in one worker for good, results and autopar's errors come back, a dead worker is a
-PlanningError that says what to change, and the process count's setting is checked."""
+a key again where it ran unless a free worker takes it from a busy one, results and autopar's
+errors come back, a dead worker is a PlanningError that says what to change, and the process
+count's setting is checked."""
 
 import os
+import time
 
 import pytest
 
@@ -13,18 +15,27 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forked workers 
 
 
 def _whose(key, argument):
+    time.sleep(argument)
     return os.getpid(), key, argument
 
 
-def test_tasks_run_in_forked_workers_each_key_in_one():
-    tasks = [(key, level) for level in range(3) for key in ("a", "b", "c", "d")]
-    with ForkedWorkers(2, _whose, ["a", "b", "c", "d"]) as workers:
-        results = list(workers.map(tasks))
-    assert [(key, level) for _, key, level in results] == tasks  # in order
-    pids = {key: {pid for pid, k, _ in results if k == key} for key in "abcd"}
-    assert all(len(p) == 1 for p in pids.values()), pids  # a key stays in its worker
-    assert len(set.union(*pids.values())) == 2  # the keys are spread over both
-    assert os.getpid() not in set.union(*pids.values())
+def test_tasks_run_in_forked_workers_a_key_again_where_it_ran():
+    with ForkedWorkers(2, _whose, ["a", "b"]) as workers:
+        first = list(workers.map([("a", 0), ("b", 0)]))
+        again = list(workers.map([("b", 0), ("a", 0)]))  # both workers free: each its own key
+    assert [(key, argument) for _, key, argument in again] == [("b", 0), ("a", 0)]  # in order
+    pids = {key: pid for pid, key, _ in first}
+    assert pids["a"] != pids["b"]  # the keys are spread over both workers
+    assert {key: pid for pid, key, _ in again} == pids  # and run again where they ran
+    assert os.getpid() not in pids.values()
+
+
+def test_a_free_worker_takes_a_queued_task_of_a_busy_one():
+    with ForkedWorkers(2, _whose, ["a", "b"]) as workers:
+        first = {key: pid for pid, key, _ in workers.map([("a", 0), ("b", 0)])}
+        # a's worker sleeps on its first task; b's worker, done at once, takes a's second
+        again = list(workers.map([("a", 2), ("a", 0), ("b", 0)]))
+    assert [pid for pid, *_ in again] == [first["a"], first["b"], first["b"]]
 
 
 def test_a_key_not_registered_before_the_fork_is_refused():

@@ -328,7 +328,7 @@ def _stages_within_a_host(parts) -> list[tuple]:
 def test_layer_plans_in_forked_workers_equal_those_planned_here(monkeypatch, tmp_path):
     """The squeezed layer plans the DP asks for, planned in two forked worker processes
     (`LayerCosts.planning_processes`), are the plans planned one by one in this process; the
-    workers planned them (each layer ILP in one worker, at all its levels)."""
+    workers planned them, at every level."""
     traced, parts, pipeline = _auto_stage_parts()
     cluster = autopar.ClusterSpec.local(8)
     pipeline = _tight(traced, parts, pipeline, cluster, 1.6)
@@ -354,10 +354,9 @@ def test_layer_plans_in_forked_workers_equal_those_planned_here(monkeypatch, tmp
     assert forked.ilp_solves == here.ilp_solves
     planned = [line.split() for line in (tmp_path / "planned").read_text().splitlines()]
     assert len(planned) == forked.ilp_solves
-    assert str(os.getpid()) not in {pid for pid, _, _ in planned}
-    owners = {}
-    for pid, key, _ in planned:
-        assert owners.setdefault(key, pid) == pid
+    pids = {pid for pid, _, _ in planned}
+    assert str(os.getpid()) not in pids
+    assert len(pids) == 2  # both workers planned (a key may move to a free one: test_forked)
     assert any(level != "0" for _, _, level in planned)
 
 
