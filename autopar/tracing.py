@@ -15,12 +15,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from autopar.layering import layered
 from autopar.markers import held_by_module, tracing_scope
 from autopar.options import LayerOption
-from autopar.planner._jax_compat import source_scope
 from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.fingerprint import jaxpr_fingerprint
 from autopar.planner.graph import (
@@ -242,31 +241,44 @@ def _micro_batch_aval(aval: Any, k: int) -> Any:
 
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Re-trace `closed` with nested calls inlined, keeping `checkpoint` eqns (see module doc)."""
+    """`closed` with nested calls inlined, keeping `checkpoint` eqns (see module doc).
 
-    def evaluate(jaxpr, consts, *args):
-        env: dict[Any, Any] = {}
+    The jaxpr is rewritten, not traced again: each inlined body's eqns are copied in with fresh
+    variables (a body may be inlined more than once), its consts become the step's, and the
+    call's results are the body's. Re-tracing did the same in 2.5 s on a 48-layer Flax GPT."""
+    jaxpr = closed.jaxpr
+    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    eqns: list[JaxprEqn] = []
 
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
+    def copy(body: Jaxpr, env: dict[Var, Any], fresh: bool) -> None:
+        for eqn in body.eqns:
+            invars = [v if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            inlined = None if is_checkpoint(eqn) else inlined_body(eqn)
+            if inlined is not None:
+                inner, inner_consts = inlined
+                scope = dict(zip(inner.invars, invars, strict=True))
+                for v, value in zip(inner.constvars, inner_consts, strict=True):
+                    scope[v] = Var(v.aval)
+                    constvars.append(scope[v])
+                    consts.append(value)
+                copy(inner, scope, fresh=True)
+                results = [v if isinstance(v, Literal) else scope[v] for v in inner.outvars]
+                env.update(zip(eqn.outvars, results, strict=True))
+                continue
+            outvars = [
+                DropVar(v.aval) if isinstance(v, DropVar) else Var(v.aval) if fresh else v
+                for v in eqn.outvars
+            ]
+            env.update(zip(eqn.outvars, outvars, strict=True))
+            eqns.append(eqn.replace(invars=invars, outvars=outvars))
 
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            body = None if is_checkpoint(eqn) else inlined_body(eqn)
-            if body is not None:
-                outs = evaluate(body[0], body[1], *invals)
-            else:
-                with source_scope(eqn):
-                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
-
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: evaluate(closed.jaxpr, closed.consts, *a))(*avals)
+    env: dict[Var, Any] = {v: v for v in (*jaxpr.constvars, *jaxpr.invars)}
+    copy(jaxpr, env, fresh=False)
+    outvars = [v if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+    inlined = Jaxpr(
+        constvars, jaxpr.invars, outvars, eqns, effects=jaxpr.effects, debug_info=jaxpr.debug_info
+    )
+    return ClosedJaxpr(inlined, consts)
 
 
 def _match_outputs_to_inputs(

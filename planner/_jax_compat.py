@@ -32,15 +32,6 @@ def bind_checkpoint(
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def source_scope(eqn: Any) -> Any:
-    """A context in which new eqns get `eqn`'s source info (re-traced eqns keep the user's
-    source line)."""
-    from jax._src import source_info_util
-
-    info = eqn.source_info
-    return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
-
-
 def source_line(eqn: Any) -> str | None:
     """The user's source line that created `eqn` ("file.py:12 (fn)"), where JAX recorded it."""
     from jax._src import source_info_util

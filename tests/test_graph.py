@@ -384,3 +384,20 @@ def test_extended_dtype_inputs():
     (info,) = graph.inputs
     assert jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)
     assert info.shape == () and info.nbytes == info.dtype.itemsize
+
+
+def test_fingerprint_tells_literals_apart_by_value_and_dtype():
+    """Literals are hashed by their bytes (not printed): another constant, or the same value in
+    another dtype, is another program; the same program traced again hashes alike."""
+    from autopar.planner.fingerprint import jaxpr_fingerprint
+
+    def scaled(c):
+        return lambda x: x * c + 1.0
+
+    x = jnp.ones((4,), f32)
+    fingerprint = jaxpr_fingerprint(jax.make_jaxpr(scaled(np.float32(2.0)))(x))
+    assert fingerprint == jaxpr_fingerprint(jax.make_jaxpr(scaled(np.float32(2.0)))(x))
+    assert fingerprint != jaxpr_fingerprint(jax.make_jaxpr(scaled(np.float32(3.0)))(x))
+    ints = jax.make_jaxpr(lambda x: x + np.int32(1))(jnp.ones((4,), jnp.int32))
+    halves = jax.make_jaxpr(lambda x: x + np.int16(1))(jnp.ones((4,), jnp.int16))
+    assert jaxpr_fingerprint(ints) != jaxpr_fingerprint(halves)
