@@ -57,6 +57,7 @@ from autopar.planner.intra import (
 )
 from autopar.planner.memory import held_values, whole_peak_bytes
 from autopar.planner.pipeline import (
+    StagePlacement,
     StageProgram,
     StepParts,
     memory_floor,
@@ -328,6 +329,7 @@ class LayerCosts:
         self.num_devices = num_devices
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
+        self._placement: StagePlacement | None = None  # every layer a stage (`layer_program`)
         self._structures: dict[int, int] = {}  # layer -> program_structure of its program
         # program_structure -> its first layer's program, analysis and whole_peak_bytes, which
         # serve every layer of that structure
@@ -343,9 +345,14 @@ class LayerCosts:
         self._workers: ForkedWorkers | None = None  # while `planning_processes` runs
 
     def layer_program(self, layer: int) -> StageProgram:
+        """Layer `layer` as a stage of its own: a stage of the placement of every layer on a
+        stage of its own, placed once (each placement walks the whole step)."""
         if layer not in self._programs:
-            self._programs[layer] = range_program(
-                self.parts, self.program.signature, layer, layer + 1
+            if self._placement is None:
+                layers = [(k, k + 1) for k in range(self.parts.num_layers)]
+                self._placement = place_stages(self.parts, layers)
+            self._programs[layer] = stage_program(
+                self.parts, self._placement, layer, self.program.signature
             )
         return self._programs[layer]
 

@@ -325,6 +325,44 @@ def _stages_within_a_host(parts) -> list[tuple]:
     ]
 
 
+def test_layer_programs_placed_at_once_equal_each_layer_placed_alone():
+    """LayerCosts places every layer on a stage of its own once; each layer's program is the
+    one placed with the layers around it as two other stages (`range_program`): the same
+    eqns (the optimizer update's included), inputs, outputs and signature."""
+    module, config = _config("gpt", manual_layers=False)
+    state = module.create_train_state(config, batch_size=2)
+    method = _method(0, "1f1b", "auto", stage_option=autopar.AutoStageOption())
+    args = (state, module.make_batch(config, BATCH))
+    traced = trace_for_method(
+        module.make_train_step(autopar.value_and_grad),
+        args,
+        method,
+        resolve_argnums(args, (), (1,), "auto"),
+    )
+    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
+    pipeline = PipelineConfig(MICRO_BATCHES, method.schedules, method.stage_option, IntraOpConfig())
+    costs = LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8)
+    signature = traced.program.signature
+    for layer in range(parts.num_layers):
+        placed = costs.layer_program(layer)
+        alone = range_program(parts, signature, layer, layer + 1)
+        # the step's eqns themselves; each program makes its own boundary eqn (fresh variables
+        # for the values it sends), equal in its operands and parameters
+        b = placed.boundary_index
+        eqns, others = placed.closed.jaxpr.eqns, alone.closed.jaxpr.eqns
+        assert eqns[:b] + eqns[b + 1 :] == others[:b] + others[b + 1 :]
+        assert eqns[b].invars == others[b].invars and eqns[b].params == others[b].params
+        assert placed.closed.jaxpr.invars == alone.closed.jaxpr.invars
+        assert placed.program.fingerprint == alone.program.fingerprint  # outputs, flow, avals
+        assert (placed.grads, placed.means) == (alone.grads, alone.means)
+        assert placed.per_micro_batch_inputs == alone.per_micro_batch_inputs
+        mine, theirs = placed.program.signature, alone.program.signature
+        assert mine.batch_inputs == theirs.batch_inputs
+        assert mine.donated_inputs == theirs.donated_inputs
+        assert mine.output_to_input == theirs.output_to_input
+    assert parts.num_layers == 4 and parts.apply  # the update runs on the layers' stages
+
+
 def test_layer_plans_in_forked_workers_equal_those_planned_here(monkeypatch, tmp_path):
     """The squeezed layer plans the DP asks for, planned in two forked worker processes
     (`LayerCosts.planning_processes`), are the plans planned one by one in this process; the
