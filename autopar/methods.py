@@ -37,7 +37,13 @@ from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError, chec
 from autopar.planner.explicit import ZeroStage, plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.pipeline import split_step
-from autopar.planner.pipeshard import PipelineConfig, plan_pipeshard
+from autopar.planner.pipeshard import (
+    MEMORY_BOUND_SLOWDOWN,
+    LayerCosts,
+    PipelineConfig,
+    plan_pipeshard,
+    unbounded_step,
+)
 from autopar.planner.plan import MeshPlan, Plan, Spec
 from autopar.planner.schedules import (
     AUTO_SCHEDULE,
@@ -332,23 +338,58 @@ class PipeshardParallel(ParallelMethod):
     def plan_step(self, request: PlanRequest) -> tuple[TracedStep, Plan]:
         """Stages by the stage search (or as the stage option fixes them), each planned by the
         ILP; in profiling mode candidate stages are timed on the devices. Under
-        `AutoLayerOption(remat_mode="auto")` on a GPU cluster, where no stage plan fits, the
-        step is traced again with each layer recomputed and planned again."""
+        `AutoLayerOption(remat_mode="auto")` on a GPU cluster the step is traced again with
+        each layer recomputed and planned again where no stage plan fits, and where the plan
+        that fits is memory-bound (`pipeshard.MEMORY_BOUND_SLOWDOWN`): the faster plan wins."""
+        option = self.layer_option
+        auto = (
+            isinstance(option, AutoLayerOption)
+            and option.remat_mode == "auto"
+            and recomputes_on(request.cluster)
+            and not self.profiles
+        )
         try:
-            return request.traced, self._plan_traced(request.traced, request)
+            plan, costs = self._plan_traced(request.traced, request)
         except MemoryBudgetError as without:
-            option = self.layer_option
-            auto = isinstance(option, AutoLayerOption) and option.remat_mode == "auto"
-            if not auto or not recomputes_on(request.cluster) or self.profiles:
+            if not auto:
                 raise
-            recomputed = dataclasses.replace(option, remat_mode="coarse_grained")
             logger.info(
                 "no stage plan fits without recomputation (%s); recomputing layers", without
             )
+            return self._plan_recomputed(request, without)
+        if not auto:
+            return request.traced, plan
+        unbounded_s = unbounded_step(costs, request.mesh.shape, plan.pipeline_schedule)
+        slowdown = plan.predicted.step_time_s / unbounded_s
+        if slowdown <= MEMORY_BOUND_SLOWDOWN:
+            return request.traced, plan
+        logger.info(
+            "the plan without recomputation takes %.4g s per step, %.3gx its stages' step "
+            "with device memory unbounded; planning with each layer recomputed too",
+            plan.predicted.step_time_s,
+            slowdown,
+        )
+        try:
+            traced, recomputed = self._plan_recomputed(request, None)
+        except MemoryBudgetError:
+            return request.traced, plan
+        if recomputed.predicted.step_time_s >= plan.predicted.step_time_s:
+            return request.traced, plan
+        return traced, recomputed
+
+    def _plan_recomputed(
+        self, request: PlanRequest, without: MemoryBudgetError | None
+    ) -> tuple[TracedStep, Plan]:
+        """The step traced with each layer recomputed, and its plan with a note saying why:
+        `without` is the error of the plan without recomputation, None where that plan is
+        memory-bound."""
+        recomputed = dataclasses.replace(self.layer_option, remat_mode="coarse_grained")
         traced = request.remat_trace(recomputed)
         try:
-            plan = self._plan_traced(traced, request)
+            plan, _ = self._plan_traced(traced, request)
         except MemoryBudgetError as e:
+            if without is None:
+                raise
             least = (
                 f"; of the stage plans it priced, the one that needs least needs "
                 f"{format_bytes(e.least)} per device"
@@ -364,15 +405,22 @@ class PipeshardParallel(ParallelMethod):
                 e.budget,
                 e.least,
             ) from None
-        note = (
-            "no stage plan fits without recomputation: each layer recomputed in the backward pass"
+        why = (
+            "no stage plan fits without recomputation"
+            if without is not None
+            else "the plan without recomputation is memory-bound and slower"
         )
+        note = f"{why}: each layer recomputed in the backward pass"
         plan = dataclasses.replace(
             plan, tracing=tracing_record(False, recomputed), notes=(*plan.notes, note)
         )
         return traced, plan
 
-    def _plan_traced(self, traced: TracedStep, request: PlanRequest) -> Plan:
+    def _plan_traced(
+        self, traced: TracedStep, request: PlanRequest
+    ) -> tuple[Plan, LayerCosts | None]:
+        """The plan of `traced`, and the layer costs that priced its stages (None where the
+        stages were measured on the devices)."""
         from autopar.runtime.profile import StageProfiler
 
         mesh, cluster = request.mesh, request.cluster
@@ -385,7 +433,8 @@ class PipeshardParallel(ParallelMethod):
         )
         parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
         if not self.profiles:
-            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config)
+            costs = LayerCosts(parts, traced.program, cluster, config, mesh.num_devices)
+            return plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, costs), costs
         if request.stage_timer is None:
             raise InvalidArgumentError(
                 "AutoStageOption(profile=True) times stages on the devices, but this plan is "
@@ -398,7 +447,7 @@ class PipeshardParallel(ParallelMethod):
                 plan = plan_pipeshard(parts, traced.program, cluster, mesh.shape, config, profiler)
             finally:
                 profiler.close()
-        return plan
+        return plan, None
 
 
 @dataclasses.dataclass(frozen=True)

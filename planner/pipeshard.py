@@ -130,6 +130,12 @@ CANDIDATE_ROUNDING = True
 # rounding finds in 1-2 s (its two stages on (4, 8): 2744.9 s and 2121.8 s per step rounded,
 # against 2744.9 s and 2357.6 s from the MIP after 10 s).
 STAGE_ROUNDING = True
+# A plan this many times slower than its stages' step with device memory unbounded is
+# memory-bound: under AutoLayerOption(remat_mode="auto") the step is planned with each layer
+# recomputed too, and the faster plan wins. Recomputing adds about a third to the compute, so
+# below this it cannot win. The bundled GPT-39B on 64 V100s (1024 micro-batches) fits without
+# recomputation only as 2 stages of (32, 1), 18,407 s per step; recomputing, 91.6 s.
+MEMORY_BOUND_SLOWDOWN = 1.5
 
 
 def stage_mesh(logical: tuple[int, int], device_indices: tuple[int, ...]) -> MeshPlan:
@@ -751,6 +757,20 @@ def _solve(
                 stages, best_step=functools.partial(_best_step, args, option, schedule)
             )
     return solve_stages(*args, option, schedule=schedule)
+
+
+def unbounded_step(
+    costs: LayerCosts, cluster_shape: tuple[int, int], schedule: PipelineSchedule
+) -> float:
+    """The step of the best stages under `schedule` with every layer at its fastest plan (as
+    `costs` planned them) and device memory unbounded: what a plan would take if memory did not
+    bind. Infinite where the stages are not searched (manual, uniform or interleaved)."""
+    option = costs.config.stage_option
+    if isinstance(option, ManualStageOption | UniformStageOption) or schedule.interleaves:
+        return math.inf
+    k = costs.config.num_micro_batches
+    args = (costs.parts.num_layers, *cluster_shape, k, costs.fastest, math.inf)
+    return _best_step(args, option, schedule, costs.fastest)
 
 
 def _within_host(cost_fn: CostFn, start: int, end: int, submesh: tuple, logical: tuple):

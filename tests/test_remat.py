@@ -1,6 +1,6 @@
 """Tight memory: ShardParallel and PipeshardParallel recompute activations where nothing else
-fits (GPU clusters), a budget nothing fits gets the least memory and what to change, and the
-memory-cut loop ends."""
+fits (GPU clusters), a pipeline whose plan is memory-bound is planned recomputing too, a budget
+nothing fits gets the least memory and what to change, and the memory-cut loop ends."""
 
 import dataclasses
 import types
@@ -12,6 +12,7 @@ from conftest import relative_error
 import autopar
 from autopar.models import GPTConfig, MLPConfig, abstract_train_inputs, gpt, mlp
 from autopar.planner import ilp as ilp_module
+from autopar.planner.graph import is_checkpoint
 from autopar.planner.intra import ShardingProblem
 from autopar.tracing import trace_step
 
@@ -139,6 +140,53 @@ def test_stage_search_recomputes_layers_only_where_no_stage_plan_fits(gpu_costs)
     assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
     assert plan.predicted == recomputed.predicted
     assert "no stage plan fits without recomputation" in plan.notes[-1]
+
+
+def _memory_bound_planning(monkeypatch, slowdown: float) -> list[str]:
+    """Record the remat modes PipeshardParallel plans, the plans without recomputation taken
+    `slowdown` times slower than they are (as a plan that fills device memory is)."""
+    planned = []
+    plan_traced = autopar.PipeshardParallel._plan_traced
+
+    def recording(self, traced, request):
+        plan, costs = plan_traced(self, traced, request)
+        recomputed = any(map(is_checkpoint, traced.closed_jaxpr.jaxpr.eqns))
+        planned.append("coarse_grained" if recomputed else "none")
+        if not recomputed:
+            predicted = dataclasses.replace(
+                plan.predicted, step_time_s=slowdown * plan.predicted.step_time_s
+            )
+            plan = dataclasses.replace(plan, predicted=predicted)
+        return plan, costs
+
+    monkeypatch.setattr(autopar.PipeshardParallel, "_plan_traced", recording)
+    return planned
+
+
+def test_stage_search_recomputes_layers_where_the_plan_that_fits_is_memory_bound(
+    gpu_costs, monkeypatch
+):
+    """A plan that fits without recomputation but runs far slower than its stages would with
+    memory unbounded (MEMORY_BOUND_SLOWDOWN) is planned again with each layer recomputed, and
+    the faster plan wins, with a note saying why; a plan near its unbounded step is kept as it
+    is without planning again."""
+    step, state, batch = abstract_train_inputs(mlp, WIDE_BATCH_MLP, 8192)
+    roomy = autopar.plan(step, state, batch, method=_searched_stages(2**40))
+    fits = 0.9 * roomy.predicted.memory_per_device_bytes  # fits as the step is, a little slower
+    recomputed = autopar.plan(step, state, batch, method=_searched_stages(fits, "coarse_grained"))
+
+    planned = _memory_bound_planning(monkeypatch, 1.0)
+    plan = autopar.plan(step, state, batch, method=_searched_stages(fits))
+    assert planned == ["none"]  # within MEMORY_BOUND_SLOWDOWN of its unbounded step
+    assert plan.tracing.layer_option["remat_mode"] == "auto"
+    assert plan.predicted.step_time_s < recomputed.predicted.step_time_s
+
+    planned = _memory_bound_planning(monkeypatch, 10.0)
+    plan = autopar.plan(step, state, batch, method=_searched_stages(fits))
+    assert planned == ["none", "coarse_grained"]
+    assert plan.tracing.layer_option["remat_mode"] == "coarse_grained"
+    assert plan.predicted == recomputed.predicted
+    assert "memory-bound" in plan.notes[-1]
 
 
 def test_pipeline_memory_floor_answers_before_any_ilp(gpu_costs, monkeypatch):
