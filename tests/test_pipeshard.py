@@ -253,14 +253,17 @@ class _EagerLayerCosts(LayerCosts):
         return super().__call__(start, end, submesh, logical)
 
 
-def _auto_stage_parts(num_micro_batches: int = MICRO_BATCHES):
-    """The MLP step traced for AutoStageOption, split into layers, and its PipelineConfig."""
-    module, config = _config("mlp", manual_layers=True)
+def _auto_stage_parts(
+    num_micro_batches: int = MICRO_BATCHES, family: str = "mlp", layers: str = "manual"
+):
+    """The step traced for AutoStageOption (the MLP's marked layers by default), split into
+    layers, and its PipelineConfig."""
+    module, config = _config(family, manual_layers=layers == "manual")
     state = module.create_train_state(config, batch_size=2)
     method = _method(
         0,
         "1f1b",
-        "manual",
+        layers,
         stage_option=autopar.AutoStageOption(),
         num_micro_batches=num_micro_batches,
     )
@@ -329,18 +332,7 @@ def test_layer_programs_placed_at_once_equal_each_layer_placed_alone():
     """LayerCosts places every layer on a stage of its own once; each layer's program is the
     one placed with the layers around it as two other stages (`range_program`): the same
     eqns (the optimizer update's included), inputs, outputs and signature."""
-    module, config = _config("gpt", manual_layers=False)
-    state = module.create_train_state(config, batch_size=2)
-    method = _method(0, "1f1b", "auto", stage_option=autopar.AutoStageOption())
-    args = (state, module.make_batch(config, BATCH))
-    traced = trace_for_method(
-        module.make_train_step(autopar.value_and_grad),
-        args,
-        method,
-        resolve_argnums(args, (), (1,), "auto"),
-    )
-    parts = split_step(traced.closed_jaxpr, traced.program.signature.batch_inputs)
-    pipeline = PipelineConfig(MICRO_BATCHES, method.schedules, method.stage_option, IntraOpConfig())
+    traced, parts, pipeline = _auto_stage_parts(family="gpt", layers="auto")
     costs = LayerCosts(parts, traced.program, autopar.ClusterSpec.local(8), pipeline, 8)
     signature = traced.program.signature
     for layer in range(parts.num_layers):
