@@ -8,7 +8,7 @@ layer plans registered before the fork without pickling any of them (a jaxpr doe
 only a task's key and its small result cross. A new key goes to the first free worker, which
 builds the layer's ILP and keeps it for the squeeze levels after; a free worker with none of its
 own keys left takes a queued task of a busy one (building that ILP again) rather than wait: the
-layer ILPs take 0.2 to 11 s, and a fixed split of the keys left one worker idle for a third of
+layer ILPs take 0.2 to 13 s, and a fixed split of the keys left one worker idle for a third of
 a level while the other ran a long one.
 
 The children run the planner's Python, numpy and HiGHS (one thread per solve), never JAX or
@@ -107,21 +107,27 @@ class ForkedWorkers:
     ) -> Iterator[tuple[int, int]]:
         """(worker, task) for each idle worker that gets one, taken off `queued`: first a task
         of a key it ran before or of a new key, then (every idle worker served) the last queued
-        task of a key that only busy workers ran."""
+        task, of a key that only busy workers ran."""
         idle = [w for w in range(len(self._pools)) if w not in busy]
-        for stealing in (False, True):
-            for worker in idle[:]:
-                mine = [
-                    t
-                    for t in queued
-                    if worker in self._ran.get(tasks[t][0], {worker})
-                    or (stealing and t == queued[-1])
-                ]
-                if mine:
-                    queued.remove(mine[0])
-                    idle.remove(worker)
-                    self._ran.setdefault(tasks[mine[0]][0], set()).add(worker)
-                    yield worker, mine[0]
+        left = []
+        for worker in idle:
+            own = (t for t in queued if worker in self._ran.get(tasks[t][0], {worker}))
+            task = next(own, None)
+            if task is None:
+                left.append(worker)
+            else:
+                yield self._take(worker, task, tasks, queued)
+        for worker in left:
+            if queued:
+                yield self._take(worker, queued[-1], tasks, queued)
+
+    def _take(
+        self, worker: int, task: int, tasks: list[tuple[Hashable, Any]], queued: list[int]
+    ) -> tuple[int, int]:
+        """`task` off `queued` for `worker`, which runs its key from now on too."""
+        queued.remove(task)
+        self._ran.setdefault(tasks[task][0], set()).add(worker)
+        return worker, task
 
     def _result(self, future: Future) -> Any:
         try:
