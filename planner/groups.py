@@ -164,14 +164,14 @@ def _signatures(grouping: Grouping, input_roles: dict[int, str], rounds: int) ->
     graph = grouping.graph
     sig: dict[Value, int] = {}
     for i, aval in enumerate(graph.inputs):
-        sig[input_value(i)] = hash(("input", aval.shape, str(aval.dtype), input_roles.get(i, "")))
+        sig[input_value(i)] = hash(("input", aval.shape, aval.dtype, input_roles.get(i, "")))
     nodes = list(grouping.planned_nodes())
     base = {
         n.id: hash(
             (
                 n.primitive,
-                tuple((a.shape, str(a.dtype)) for a in n.in_avals),
-                tuple((a.shape, str(a.dtype)) for a in n.out_avals),
+                tuple((a.shape, a.dtype) for a in n.in_avals),
+                tuple((a.shape, a.dtype) for a in n.out_avals),
                 _params_key(n),
             )
         )

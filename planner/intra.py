@@ -353,17 +353,20 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
     (`memory.unreduced_sum_bytes`)."""
     grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
     buffers = []
+    of_class: dict[tuple[int, int], np.ndarray] = {}  # (class, member): a repeated layer's alike
     for group in grouping.groups:
         menu = builder.menu(group)
         for j, member in enumerate(group.members):
-            aval = grouping.graph.node(member).out_avals[0]
-            sizes = np.zeros(len(menu))
-            for k, strategies in enumerate(menu.strategies):
-                s = strategies[j]
-                if s.partial_axes and split_size(builder.mesh, s.partial_axes) > 1:
-                    sizes[k] = unreduced_sum_bytes(
-                        builder.mesh, aval, s.out_specs[0], s.partial_axes, cpu
-                    )
+            sizes = of_class.get((group.cls, j))
+            if sizes is None:
+                aval = grouping.graph.node(member).out_avals[0]
+                sizes = of_class[group.cls, j] = np.zeros(len(menu))
+                for k, strategies in enumerate(menu.strategies):
+                    s = strategies[j]
+                    if s.partial_axes and split_size(builder.mesh, s.partial_axes) > 1:
+                        sizes[k] = unreduced_sum_bytes(
+                            builder.mesh, aval, s.out_specs[0], s.partial_axes, cpu
+                        )
             if sizes.any():
                 step = problem.live.step_of_node[member]
                 buffers.append((group.index, None, sizes, step, step))
@@ -424,15 +427,22 @@ def _copies(problem: _Problem) -> list[tuple[int, np.ndarray, int, int]]:
     emission counts them (`_emit`)."""
     grouping = problem.grouping
     found = []
+    of_kind: dict[tuple, np.ndarray] = {}  # (edge kind, read, fused): a repeated layer's alike
     for i, edge in enumerate(problem.edges):
         aval = value_aval(grouping, edge.value)
         for r, j in enumerate(edge.readers):
-            sizes = np.array(
-                [
-                    [_copy_bytes(problem, edge.value, aval, have, needs[r]) for needs in edge.needs]
-                    for have in edge.haves
-                ]
-            )
+            key = (edge.kind, r, edge.value in problem.live.fused)
+            sizes = of_kind.get(key)
+            if sizes is None:
+                sizes = of_kind[key] = np.array(
+                    [
+                        [
+                            _copy_bytes(problem, edge.value, aval, have, needs[r])
+                            for needs in edge.needs
+                        ]
+                        for have in edge.haves
+                    ]
+                )
             if sizes.any():
                 member = grouping.groups[edge.consumer].members[j]
                 found.append((i, sizes, *_copy_span(problem, member)))
@@ -444,6 +454,7 @@ def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int
     copies under some choice, (group, None, bytes per choice, first step, last step)."""
     grouping, builder = problem.grouping, problem.builder
     found = []
+    of_class: dict[tuple, np.ndarray] = {}  # (class, member, operand, fused): as above
     for group in grouping.groups:
         menu = builder.menu(group)
         for j, member in enumerate(group.members):
@@ -452,14 +463,19 @@ def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int
                 value = grouping.value_of(ref)
                 if value is None or grouping.group_of_value(value) != group.index:
                     continue
-                lv, aval = builder.local_value(group, value), node.in_avals[pos]
-                choices = zip(menu.strategies, menu.value_specs, strict=True)
-                sizes = np.array(
-                    [
-                        _copy_bytes(problem, value, aval, specs[lv], strategies[j].in_specs[pos])
-                        for strategies, specs in choices
-                    ]
-                )
+                key = (group.cls, j, pos, value in problem.live.fused)
+                sizes = of_class.get(key)
+                if sizes is None:
+                    lv, aval = builder.local_value(group, value), node.in_avals[pos]
+                    choices = zip(menu.strategies, menu.value_specs, strict=True)
+                    sizes = of_class[key] = np.array(
+                        [
+                            _copy_bytes(
+                                problem, value, aval, specs[lv], strategies[j].in_specs[pos]
+                            )
+                            for strategies, specs in choices
+                        ]
+                    )
                 if sizes.any():
                     span = _copy_span(problem, member)
                     found.append((group.index, None, sizes, *span))
@@ -670,9 +686,7 @@ def _alias_edges(signature: StepSignature, grouping: Grouping, builder: MenuBuil
         value = grouping.value_of(grouping.graph.outputs[j])
         if i is None or value is None or value == input_value(i):
             continue
-        stored = grouping.groups[grouping.input_group[i]]
-        needs = [(specs[(-1, 0)],) for specs in builder.menu(stored).value_specs]
-        edge = builder.reshard_edge(grouping.group_of_value(value), value, stored.index, needs, [1])
+        edge = builder.storage_edge(value, grouping.groups[grouping.input_group[i]])
         if edge is not None:
             edges.append(edge)
     return edges

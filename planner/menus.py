@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -110,6 +110,7 @@ class Edge:
     needs: list[tuple[Spec | None, ...]]  # column b: the spec each read needs
     readers: tuple[int, ...]  # each read's consumer member; () for an output stored like its
     # input (`intra._alias_edges`), which no node reads
+    kind: Hashable  # equal for edges that share their costs (`MenuBuilder._shared_edge`)
 
 
 class MenuBuilder:
@@ -141,6 +142,7 @@ class MenuBuilder:
         self._costs: dict[tuple, Costs] = {}  # group_costs by class and members' context
         self._reshard_cache: dict[tuple, tuple[float, float]] = {}
         self._copy_cache: dict[tuple, float] = {}  # `copy_bytes`
+        self._edge_cache: dict[tuple, tuple | None] = {}  # `_edge` by classes and reads
         self._tiles: dict[Spec, int] = {}  # devices a spec splits a tensor over
         self._warned: set[str] = set()
         self._local_indices: dict[int, dict[str, int]] = {}  # group -> member -> position
@@ -440,29 +442,71 @@ class MenuBuilder:
         return edges
 
     def _edge(self, producer: int, value: Value, consumer: int, reads) -> Edge | None:
-        menu = self.menu(self.grouping.groups[consumer])
-        needs = [
-            tuple(menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
-            for k in range(len(menu))
-        ]
-        weights = [w for *_, w in reads]
-        readers = tuple(j for _, j, _, _ in reads)
-        return self.reshard_edge(producer, value, consumer, needs, weights, readers)
+        """The edge of the consumer's `reads` (value, member, operand, weight) of `value`."""
+        group = self.grouping.groups[consumer]
 
-    def reshard_edge(
+        def needs() -> list[tuple[Spec | None, ...]]:
+            menu = self.menu(group)
+            return [
+                tuple(menu.strategies[k][j].in_specs[pos] for _, j, pos, _ in reads)
+                for k in range(len(menu))
+            ]
+
+        return self._shared_edge(
+            producer,
+            value,
+            consumer,
+            tuple((j, pos) for _, j, pos, _ in reads),
+            tuple(w for *_, w in reads),
+            needs,
+            tuple(j for _, j, _, _ in reads),
+        )
+
+    def storage_edge(self, value: Value, stored: Group) -> Edge | None:
+        """The edge that reshards `value`, the new value of the input of input group `stored`,
+        into the spec that input is stored in (`intra._alias_edges`)."""
+
+        def needs() -> list[tuple[Spec | None, ...]]:
+            return [(specs[(-1, 0)],) for specs in self.menu(stored).value_specs]
+
+        producer = self.grouping.group_of_value(value)
+        return self._shared_edge(producer, value, stored.index, "stored", (1.0,), needs, ())
+
+    def _shared_edge(
         self,
         producer: int,
         value: Value,
         consumer: int,
+        reads: Hashable,
+        weights: tuple[float, ...],
+        needs: Callable[[], list[tuple[Spec | None, ...]]],
+        readers: tuple[int, ...],
+    ) -> Edge | None:
+        """The edge where the consumer's choice k needs `value` as each spec in `needs()[k]`
+        (one per read in `reads`, with its weight); None if no pair of choices costs anything.
+        Edges between groups of the same classes read alike (the same layer repeated) share
+        their costs: a GPT layer ILP has ~1,500 edges, about a third of them distinct."""
+        h, g = self.grouping.groups[producer], self.grouping.groups[consumer]
+        lv = self.local_value(h, value)
+        key = (h.cls, lv, g.cls, reads, weights)
+        if key not in self._edge_cache:
+            self._edge_cache[key] = self._resharding(h, lv, value, needs(), weights)
+        found = self._edge_cache[key]
+        if found is None:
+            return None
+        row_of, col_of, costs, haves, columns = found
+        return Edge(producer, consumer, row_of, col_of, costs, value, haves, columns, readers, key)
+
+    def _resharding(
+        self,
+        h: Group,
+        lv: LocalValue,
+        value: Value,
         needs: list[tuple[Spec | None, ...]],
         weights: Sequence[float],
-        readers: tuple[int, ...] = (),
-    ) -> Edge | None:
-        """The edge where the consumer's choice k needs `value` as each spec in `needs[k]`
-        (one per read, with its weight, by the consumer's members `readers`); None if no pair
-        of choices costs anything."""
-        h = self.grouping.groups[producer]
-        lv = self.local_value(h, value)
+    ) -> tuple | None:
+        """An edge's (producer_choice, consumer_choice, costs, haves, needs) from group `h`'s
+        value `value` (its local `lv`) to reads needing `needs`; None where nothing costs."""
         rows, row_of = _index([specs[lv] for specs in self.menu(h).value_specs])
         cols, col_of = _index(needs)
         aval = value_aval(self.grouping, value)
@@ -480,7 +524,7 @@ class MenuBuilder:
                     costs.add_comm((a, b), seconds, nbytes, hidden)
         if not (costs.blocking.any() or costs.overlap.any() or costs.comm_bytes.any()):
             return None
-        return Edge(producer, consumer, row_of, col_of, costs, value, rows, cols, readers)
+        return row_of, col_of, costs, rows, cols
 
 
 def _index(items: list) -> tuple[list, np.ndarray]:

@@ -21,6 +21,7 @@ from autopar.planner.batch_dims import batch_dims
 from autopar.planner.cost import logical_mesh
 from autopar.planner.groups import group_graph
 from autopar.planner.intra import IntraOpConfig, ShardingProblem, program_structure
+from autopar.planner.memory import value_aval
 from autopar.planner.plan import MeshPlan
 from autopar.tracing import resolve_argnums
 
@@ -582,10 +583,8 @@ def test_only_a_plan_a_user_gets_warns_of_the_time_limit(monkeypatch, caplog):
     assert not [r for r in caplog.records if "time limit" in r.getMessage()]
 
 
-def test_repeated_groups_share_their_costs_only_where_priced_alike():
-    """Groups of one class (the same layer repeated) are priced once, where their members'
-    weights (micro-batches), overlap, FLOPs and memory traffic agree: each group's shared costs
-    equal its own pricing, on a 4-layer GPT over 2 micro-batches."""
+def _four_layer_gpt_problem() -> ShardingProblem:
+    """The ILP of a 4-layer GPT's ShardParallel step on a (2, 2) mesh over 2 micro-batches."""
     step_fn = gpt.make_train_step(autopar.value_and_grad)
     config = GPTConfig(num_layers=4, seq_len=16, hidden=32)
     state = gpt.create_train_state(config, batch_size=2)
@@ -593,9 +592,14 @@ def test_repeated_groups_share_their_costs_only_where_priced_alike():
     method = autopar.ShardParallel(devices=FOUR, num_micro_batches=2)
     traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
     mesh = MeshPlan((2, 2), ("x", "y"), tuple(range(4)))
-    problem = ShardingProblem(
-        traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 2
-    )
+    return ShardingProblem(traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 2)
+
+
+def test_repeated_groups_share_their_costs_only_where_priced_alike():
+    """Groups of one class (the same layer repeated) are priced once, where their members'
+    weights (micro-batches), overlap, FLOPs and memory traffic agree: each group's shared costs
+    equal its own pricing, on a 4-layer GPT over 2 micro-batches."""
+    problem = _four_layer_gpt_problem()
     builder, groups = problem.problem.builder, problem.problem.grouping.groups
     priced = [g for g in groups if not g.is_input]
     assert len(builder._costs) < len(priced)  # shared
@@ -605,3 +609,42 @@ def test_repeated_groups_share_their_costs_only_where_priced_alike():
         own = builder._priced(group, builder.menu(group))
         for name in ("compute", "blocking", "overlap", "comm_bytes"):
             np.testing.assert_array_equal(getattr(shared, name), getattr(own, name))
+
+
+def test_edges_between_repeated_groups_share_their_costs_and_price_their_own_reads():
+    """Edges between groups of the same classes read alike share one cost matrix (525 of
+    966 are distinct on a 4-layer GPT), and every edge's rows, columns and costs are those of
+    its own producer's specs and its own consumer's reads."""
+    problem = _four_layer_gpt_problem().problem
+    builder, grouping = problem.builder, problem.grouping
+    assert len({id(edge.costs) for edge in problem.edges}) < 0.6 * len(problem.edges)
+    for edge in problem.edges:
+        producer, consumer = grouping.groups[edge.producer], grouping.groups[edge.consumer]
+        lv = builder.local_value(producer, edge.value)
+        haves = [specs[lv] for specs in builder.menu(producer).value_specs]
+        menu = builder.menu(consumer)
+        if edge.readers:  # reads by members, in (member, operand) order
+            reads = [
+                (j, pos, builder.weights.get(member, 1.0))
+                for j, member in enumerate(consumer.members)
+                for pos, ref in enumerate(grouping.graph.node(member).inputs)
+                if grouping.value_of(ref) == edge.value
+            ]
+            needs = [tuple(s[j].in_specs[pos] for j, pos, _ in reads) for s in menu.strategies]
+        else:  # the new value of a stored input
+            reads = [(None, None, 1.0)]
+            needs = [(specs[(-1, 0)],) for specs in menu.value_specs]
+        aval = value_aval(grouping, edge.value)
+        for k, have in enumerate(haves):
+            assert edge.haves[edge.producer_choice[k]] == have
+        for k, need in enumerate(needs):
+            assert edge.needs[edge.consumer_choice[k]] == need
+        for a, have in enumerate(edge.haves):
+            for b, need in enumerate(edge.needs):
+                seconds = sum(
+                    weight * builder.reshard(aval.shape, aval.dtype.itemsize, have, n)[0]
+                    for n, (*_, weight) in zip(need, reads, strict=True)
+                    if n is not None and n != have
+                )
+                cost = edge.costs.blocking[a, b] + edge.costs.overlap[a, b]
+                assert cost == pytest.approx(seconds, rel=1e-12)
