@@ -353,7 +353,7 @@ def _unreduced_sums(problem: _Problem) -> list[tuple[int, None, np.ndarray, int,
     (`memory.unreduced_sum_bytes`)."""
     grouping, builder, cpu = problem.grouping, problem.builder, problem.platform == "cpu"
     buffers = []
-    of_class: dict[tuple[int, int], np.ndarray] = {}  # (class, member): a repeated layer's alike
+    of_class: dict[tuple[int, int], np.ndarray] = {}  # by (class, member): alike in like layers
     for group in grouping.groups:
         menu = builder.menu(group)
         for j, member in enumerate(group.members):
@@ -427,7 +427,7 @@ def _copies(problem: _Problem) -> list[tuple[int, np.ndarray, int, int]]:
     emission counts them (`_emit`)."""
     grouping = problem.grouping
     found = []
-    of_kind: dict[tuple, np.ndarray] = {}  # (edge kind, read, fused): a repeated layer's alike
+    of_kind: dict[tuple, np.ndarray] = {}  # by (edge kind, read, fused): alike in like layers
     for i, edge in enumerate(problem.edges):
         aval = value_aval(grouping, edge.value)
         for r, j in enumerate(edge.readers):
@@ -454,7 +454,7 @@ def _internal_copies(problem: _Problem) -> list[tuple[int, None, np.ndarray, int
     copies under some choice, (group, None, bytes per choice, first step, last step)."""
     grouping, builder = problem.grouping, problem.builder
     found = []
-    of_class: dict[tuple, np.ndarray] = {}  # (class, member, operand, fused): as above
+    of_class: dict[tuple, np.ndarray] = {}  # by (class, member, operand, fused): as above
     for group in grouping.groups:
         menu = builder.menu(group)
         for j, member in enumerate(group.members):
