@@ -24,7 +24,6 @@ from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.fingerprint import jaxpr_fingerprint
 from autopar.planner.graph import (
     TensorInfo,
-    build_graph,
     inlined_body,
     is_checkpoint,
     tensor_info,
@@ -402,9 +401,7 @@ def trace_step(
         donated_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in donate_argnums),
         output_to_input=output_to_input,
     )
-    program = Program(
-        graph=build_graph(closed), signature=signature, fingerprint=jaxpr_fingerprint(closed)
-    )
+    program = Program(closed, signature, jaxpr_fingerprint(closed))
     return TracedStep(
         fun_name=fun_name,
         closed_jaxpr=closed,

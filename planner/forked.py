@@ -9,7 +9,9 @@ only a task's key and its small result cross. A new key goes to the first free w
 builds the layer's ILP and keeps it for the squeeze levels after; a free worker with none of its
 own keys left takes a queued task of a busy one (building that ILP again) rather than wait: the
 layer ILPs take 0.2 to 13 s, and a fixed split of the keys left one worker idle for a third of
-a level while the other ran a long one.
+a level while the other ran a long one. Keys may come in groups (`group_of`: a layer ILP's
+mesh): a free worker takes a new key of a group it ran before, else of a group no worker ran,
+so that what a group's tasks share (`menus.MeshCache`) is found once per worker.
 
 The children run the planner's Python, numpy and HiGHS (one thread per solve), never JAX or
 XLA, whose threads the fork leaves behind. Only on Linux, where fork is the default start
@@ -61,18 +63,25 @@ def _run(token: int, key: Hashable, argument: Any) -> Any:
 class ForkedWorkers:
     """`count` worker processes that run `task(key, argument)` on the `keys` given here (and on
     no other: they are what the fork captured), each task in a worker that ran its key before
-    where one is free (module docstring). Use as a context manager: the workers fork at the
-    first task and are joined on exit."""
+    where one is free, a new key in one that ran its group (`group_of`) where one is free
+    (module docstring). Use as a context manager: the workers fork at the first task and are
+    joined on exit."""
 
     def __init__(
-        self, count: int, task: Callable[[Hashable, Any], Any], keys: Iterable[Hashable]
+        self,
+        count: int,
+        task: Callable[[Hashable, Any], Any],
+        keys: Iterable[Hashable],
+        group_of: Callable[[Hashable], Hashable] = lambda key: key,
     ) -> None:
         self.keys = frozenset(keys)
+        self.group_of = group_of
         self._token = next(_tokens)
         _TASKS[self._token] = task
         context = multiprocessing.get_context("fork")
         self._pools = [ProcessPoolExecutor(1, mp_context=context) for _ in range(count)]
         self._ran: dict[Hashable, set[int]] = {}  # key -> the workers that ran it
+        self._ran_group: dict[Hashable, set[int]] = {}  # group -> the workers that ran one
 
     def __enter__(self) -> ForkedWorkers:
         return self
@@ -106,13 +115,15 @@ class ForkedWorkers:
         self, tasks: list[tuple[Hashable, Any]], queued: list[int], busy: set[int]
     ) -> Iterator[tuple[int, int]]:
         """(worker, task) for each idle worker that gets one, taken off `queued`: first a task
-        of a key it ran before or of a new key, then (every idle worker served) the last queued
-        task, of a key that only busy workers ran."""
+        of a key it ran before, else of a new key (one of a group it ran, else of a group no
+        worker ran, else any), then (every idle worker served) the last queued task, of a key
+        that only busy workers ran."""
         idle = [w for w in range(len(self._pools)) if w not in busy]
         left = []
         for worker in idle:
-            own = (t for t in queued if worker in self._ran.get(tasks[t][0], {worker}))
-            task = next(own, None)
+            task = next((t for t in queued if worker in self._ran.get(tasks[t][0], ())), None)
+            if task is None:
+                task = self._new_key_task(worker, tasks, queued)
             if task is None:
                 left.append(worker)
             else:
@@ -121,12 +132,27 @@ class ForkedWorkers:
             if queued:
                 yield self._take(worker, queued[-1], tasks, queued)
 
+    def _new_key_task(
+        self, worker: int, tasks: list[tuple[Hashable, Any]], queued: list[int]
+    ) -> int | None:
+        """The first queued task of a key no worker ran, by preference of a group `worker`
+        ran, else of a group no worker ran; None where every queued key ran somewhere."""
+        new = [t for t in queued if tasks[t][0] not in self._ran]
+        ran_by = [self._ran_group.get(self.group_of(tasks[t][0]), set()) for t in new]
+        for wanted in (lambda ran: worker in ran, lambda ran: not ran, lambda ran: True):
+            task = next((t for t, ran in zip(new, ran_by, strict=True) if wanted(ran)), None)
+            if task is not None:
+                return task
+        return None
+
     def _take(
         self, worker: int, task: int, tasks: list[tuple[Hashable, Any]], queued: list[int]
     ) -> tuple[int, int]:
         """`task` off `queued` for `worker`, which runs its key from now on too."""
         queued.remove(task)
-        self._ran.setdefault(tasks[task][0], set()).add(worker)
+        key = tasks[task][0]
+        self._ran.setdefault(key, set()).add(worker)
+        self._ran_group.setdefault(self.group_of(key), set()).add(worker)
         return worker, task
 
     def _result(self, future: Future) -> Any:

@@ -65,7 +65,7 @@ from autopar.planner.memory import (
     value_aval,
     whole_accumulator_bytes,
 )
-from autopar.planner.menus import Costs, Edge, MenuBuilder
+from autopar.planner.menus import Costs, Edge, MenuBuilder, MeshCache
 from autopar.planner.plan import (
     MeshPlan,
     OpGroupCost,
@@ -292,9 +292,12 @@ def _build(
     config,
     k: int,
     analysis: ProgramAnalysis | None = None,
+    cache: MeshCache | None = None,
 ) -> _Problem:
     if analysis is None or not analysis.serves(program, cluster, config):
         analysis = ProgramAnalysis.of(program, cluster, config)
+    if not config.reuse_repeated_layers:
+        cache = None  # its groups have no structure to share by
     grouping, live = analysis.grouping, analysis.live
     inputs = _InputMenus(program, mesh, config)
     weights = dict.fromkeys(analysis.grad_part, float(k)) if k > 1 else {}
@@ -313,6 +316,7 @@ def _build(
         forced,
         None if axis is None else mesh.axis_names[axis],
         accumulable=frozenset(node for c in chains for node in c.sums),
+        cache=cache,
     )
     group_costs = [builder.group_costs(g) for g in grouping.groups]
     edges = builder.edges() + _alias_edges(program.signature, grouping, builder)
@@ -710,7 +714,9 @@ class ShardingProblem:
     memory budget, and solving again under a tighter budget reuses the ILP's memory cuts.
     `stash`: a pipeline stage's activations held by its other micro-batches in flight, counted
     in every memory figure (the ILP's, the plan's prediction, the least memory). `analysis`:
-    `ProgramAnalysis.of(program, cluster, config)`, where it is planned on several meshes."""
+    `ProgramAnalysis.of(program, cluster, config)`, where it is planned on several meshes.
+    `cache`: a `MeshCache` of this mesh, cluster and config that other programs planned here
+    share (menus and costs of the groups they have in common)."""
 
     def __init__(
         self,
@@ -721,13 +727,14 @@ class ShardingProblem:
         num_micro_batches: int,
         stash: Stash | None = None,
         analysis: ProgramAnalysis | None = None,
+        cache: MeshCache | None = None,
     ) -> None:
         start = time.perf_counter()
         self.program, self.mesh_plan, self.cluster = program, mesh_plan, cluster
         self.num_micro_batches = num_micro_batches
         self.reduce_scatter_once = config.reduce_gradients_once and num_micro_batches > 1
         mesh = logical_mesh(cluster, mesh_plan.shape, mesh_plan.axis_names)
-        self.problem = _build(program, mesh, cluster, config, num_micro_batches, analysis)
+        self.problem = _build(program, mesh, cluster, config, num_micro_batches, analysis, cache)
         self.memory = _Memory(self.problem, stash)
         num_choices, costs, self.edges, self.edge_class_of = _class_inputs(
             self.problem, self.memory.input_sizes, max(mesh.bandwidths)

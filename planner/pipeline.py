@@ -35,7 +35,7 @@ from jax.extend.core import (
 
 from autopar.planner.errors import PlanningError
 from autopar.planner.fingerprint import jaxpr_fingerprint
-from autopar.planner.graph import build_graph, tensor_info
+from autopar.planner.graph import tensor_info
 from autopar.planner.markers import grad_boundary_p, layer_boundary_p
 from autopar.planner.micro_batches import ancestors, describe_eqn
 from autopar.planner.program import Program, StepSignature
@@ -380,7 +380,7 @@ def stage_program(
         ),
         output_to_input=output_to_input,
     )
-    program = Program(build_graph(closed), stage_signature, structural_fingerprint(closed))
+    program = Program(closed, stage_signature, structural_fingerprint(closed))
     return StageProgram(
         index=stage,
         layers=(a, b),

@@ -56,6 +56,7 @@ from autopar.planner.intra import (
     program_structure,
 )
 from autopar.planner.memory import held_values, whole_peak_bytes
+from autopar.planner.menus import MeshCache
 from autopar.planner.pipeline import (
     StagePlacement,
     StageProgram,
@@ -336,11 +337,14 @@ class LayerCosts:
         self.device_memory = config.intra.budget(cluster)
         self._programs: dict[int, StageProgram] = {}
         self._placement: StagePlacement | None = None  # every layer a stage (`layer_program`)
-        self._structures: dict[int, int] = {}  # layer -> program_structure of its program
+        # (fingerprint, batch inputs, output_to_input) -> program_structure of such a program
+        self._structures: dict[tuple, int] = {}
         # program_structure -> its first layer's program, analysis and whole_peak_bytes, which
         # serve every layer of that structure
         self._analyses: dict[int, tuple[StageProgram, ProgramAnalysis, float]] = {}
         self._plans: dict[tuple, _LayerPlans] = {}
+        # (mesh shape, axis names, intra config) -> what the layer ILPs there share
+        self._mesh_caches: dict[tuple, MeshCache] = {}
         # (layer, logical mesh) -> `_layer_plans`' answer: the DP asks for it ~10^5 times
         self._plans_of: dict[tuple[int, tuple], _LayerPlans | None] = {}
         self.ilp_solves = 0
@@ -391,7 +395,7 @@ class LayerCosts:
         for logical in dict.fromkeys(logicals):  # every layer plan the workers may plan
             for layer in range(self.parts.num_layers):
                 self._layer_plans(layer, logical)
-        with ForkedWorkers(count, self._plan_level, self._plans) as workers:
+        with ForkedWorkers(count, self._plan_level, self._plans, _mesh_of) as workers:
             self._workers = workers
             try:
                 yield
@@ -487,9 +491,7 @@ class LayerCosts:
         kind = tuple(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True))
         if intra.force_batch_dim_to_mesh_dim is None:
             kind = tuple(sorted(kind))  # free axes of equal size and links can be swapped
-        if layer not in self._structures:
-            self._structures[layer] = program_structure(stage.program)
-        structure = self._structures[layer]
+        structure = self._structure(stage.program)
         if structure not in self._analyses:  # the first layer of this structure plans for all
             analysis = ProgramAnalysis.of(stage.program, self.cluster, self.config.intra)
             peak = whole_peak_bytes(analysis.grouping, analysis.live)
@@ -508,14 +510,32 @@ class LayerCosts:
                 presolve=CANDIDATE_PRESOLVE,
                 round_relaxation=CANDIDATE_ROUNDING,
             )
+            cache = self._mesh_caches.setdefault((mesh.shape, mesh.axis_names, intra), MeshCache())
             build = functools.partial(
-                ShardingProblem, stage.program, mesh, self.cluster, intra, k, analysis=analysis
+                ShardingProblem,
+                stage.program,
+                mesh,
+                self.cluster,
+                intra,
+                k,
+                analysis=analysis,
+                cache=cache,
             )
             shapes = stage_shapes(
                 self.parts.num_layers, self.num_devices, math.prod(logical), self.config
             )
             self._plans[key] = _LayerPlans(key, stage, mesh, build, shapes, [])
         return self._plans[key]
+
+    def _structure(self, program: Program) -> int:
+        """`program_structure` of a layer's program, found once for the layers whose jaxprs
+        print alike (up to which parameters and layers they touch) and whose inputs play the
+        same roles: the rest never build their graphs."""
+        signature = program.signature
+        key = (program.fingerprint, signature.batch_inputs, signature.output_to_input)
+        if key not in self._structures:
+            self._structures[key] = program_structure(program)
+        return self._structures[key]
 
     def _squeeze(self, plans: _LayerPlans) -> None:
         """Plan the layer at its next level (`_plan_level`) and record the plan."""
@@ -690,6 +710,12 @@ def _raised(cost: StageCost, extra: float, latency: float = 0.0) -> StageCost:
         static_memory_bytes=cost.static_memory_bytes + extra,
         latency_s=max(cost.latency_s, latency),
     )
+
+
+def _mesh_of(key: tuple) -> tuple:
+    """The mesh part of a layer plan's key (structure, mesh kind, forced batch axis): the
+    layer ILPs of one mesh share a `MeshCache`, so a worker plans them together."""
+    return key[1:]
 
 
 def _stage_cost(layers: list[tuple[LayerCost, ...]], level: int) -> StageCost:

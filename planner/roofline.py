@@ -326,6 +326,19 @@ class Roofline:
         of them."""
         return sum(self.traffic(node)[2] + len(self.layout_copies(node)[0]) for node in nodes)
 
+    def context(self, node: OpNode) -> tuple:
+        """What `seconds` reads of `node`'s surroundings: the operands and outputs its kernel
+        moves, a transpose's stride, the layout copies it pays for, a column reduction's fused
+        arrays. Nodes alike in their own ops and in this are priced alike (`MenuBuilder`)."""
+        copies, lhs_copied = self.layout_copies(node)
+        return (
+            self.traffic(node),
+            self.strided_transpose(node),
+            tuple((c.position, c.strided) for c in copies),
+            lhs_copied,
+            self._gpu_fusions()[1].get(node.id, 0),
+        )
+
     def seconds(
         self,
         node: OpNode,

@@ -38,6 +38,23 @@ def test_a_free_worker_takes_a_queued_task_of_a_busy_one():
     assert [pid for pid, *_ in again] == [first["a"], first["b"], first["b"]]
 
 
+def _started(key, argument):
+    started = time.monotonic()
+    time.sleep(argument)
+    return os.getpid(), key, started
+
+
+def test_a_new_key_goes_to_a_worker_of_its_group_or_of_none():
+    keys = ["a1", "a2", "b1", "b2"]
+    with ForkedWorkers(2, _started, keys, group_of=lambda key: key[0]) as workers:
+        tasks = [("a1", 0.5), ("a2", 0), ("b1", 0), ("b2", 0)]
+        ran = {key: (pid, started) for pid, key, started in workers.map(tasks)}
+    # a1 keeps one worker busy; the other takes b1 (a group no worker ran) before a2 (a1's
+    # group), then b2 (its own group): a2 waits for a worker with nothing better to do
+    assert ran["b1"][0] == ran["b2"][0] != ran["a1"][0]
+    assert ran["b1"][1] < ran["b2"][1] < ran["a2"][1]
+
+
 def test_a_key_not_registered_before_the_fork_is_refused():
     with ForkedWorkers(2, _whose, ["a"]) as workers, pytest.raises(PlanningError, match="'b'"):
         list(workers.map([("b", 0)]))

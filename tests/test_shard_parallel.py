@@ -22,6 +22,7 @@ from autopar.planner.cost import logical_mesh
 from autopar.planner.groups import group_graph
 from autopar.planner.intra import IntraOpConfig, ShardingProblem, program_structure
 from autopar.planner.memory import value_aval
+from autopar.planner.menus import MeshCache
 from autopar.planner.plan import MeshPlan
 from autopar.tracing import resolve_argnums
 
@@ -583,26 +584,53 @@ def test_only_a_plan_a_user_gets_warns_of_the_time_limit(monkeypatch, caplog):
     assert not [r for r in caplog.records if "time limit" in r.getMessage()]
 
 
-def _four_layer_gpt_problem() -> ShardingProblem:
-    """The ILP of a 4-layer GPT's ShardParallel step on a (2, 2) mesh over 2 micro-batches."""
+def _gpt_problem(num_layers: int = 4, cache: MeshCache | None = None) -> ShardingProblem:
+    """The ILP of a GPT's ShardParallel step on a (2, 2) mesh over 2 micro-batches."""
     step_fn = gpt.make_train_step(autopar.value_and_grad)
-    config = GPTConfig(num_layers=4, seq_len=16, hidden=32)
+    config = GPTConfig(num_layers=num_layers, seq_len=16, hidden=32)
     state = gpt.create_train_state(config, batch_size=2)
     args = (state, gpt.make_batch(config, 8))
     method = autopar.ShardParallel(devices=FOUR, num_micro_batches=2)
     traced = trace_for_method(step_fn, args, method, resolve_argnums(args, (), (1,), "auto"))
     mesh = MeshPlan((2, 2), ("x", "y"), tuple(range(4)))
-    return ShardingProblem(traced.program, mesh, autopar.ClusterSpec.local(4), IntraOpConfig(), 2)
+    cluster = autopar.ClusterSpec.local(4)
+    return ShardingProblem(traced.program, mesh, cluster, IntraOpConfig(), 2, cache=cache)
+
+
+def test_programs_on_one_mesh_share_the_menus_and_costs_of_their_common_groups():
+    """Two programs planned on one mesh with one `MeshCache` (a pipeline's layers of different
+    structures): the second finds most of its group costs and edges in the cache, and its ILP
+    inputs and plan are those it gets with a cache of its own."""
+    cache = MeshCache()
+    _gpt_problem(4, cache)
+    priced, edges = len(cache.costs), len(cache.edges)
+    shared = _gpt_problem(3, cache)
+    alone = _gpt_problem(3)
+    own = alone.problem.builder.cache
+    assert len(cache.costs) - priced < 0.2 * len(own.costs)
+    assert len(cache.edges) - edges < 0.2 * len(own.edges)
+    for mine, theirs in zip(shared.problem.group_costs, alone.problem.group_costs, strict=True):
+        for name in ("compute", "blocking", "overlap", "comm_bytes"):
+            np.testing.assert_array_equal(getattr(mine, name), getattr(theirs, name))
+    assert [(e.producer, e.consumer, e.value) for e in shared.problem.edges] == [
+        (e.producer, e.consumer, e.value) for e in alone.problem.edges
+    ]
+    for mine, theirs in zip(shared.problem.edges, alone.problem.edges, strict=True):
+        np.testing.assert_array_equal(mine.costs.blocking, theirs.costs.blocking)
+        np.testing.assert_array_equal(mine.producer_choice, theirs.producer_choice)
+        np.testing.assert_array_equal(mine.consumer_choice, theirs.consumer_choice)
+    budget = 2.0**30
+    assert shared.solve(budget).stages == alone.solve(budget).stages
 
 
 def test_repeated_groups_share_their_costs_only_where_priced_alike():
     """Groups of one class (the same layer repeated) are priced once, where their members'
     weights (micro-batches), overlap, FLOPs and memory traffic agree: each group's shared costs
     equal its own pricing, on a 4-layer GPT over 2 micro-batches."""
-    problem = _four_layer_gpt_problem()
+    problem = _gpt_problem()
     builder, groups = problem.problem.builder, problem.problem.grouping.groups
     priced = [g for g in groups if not g.is_input]
-    assert len(builder._costs) < len(priced)  # shared
+    assert len(builder.cache.costs) < len(priced)  # shared
     for group, shared in zip(groups, problem.problem.group_costs, strict=True):
         if group.is_input:
             continue
@@ -615,7 +643,7 @@ def test_edges_between_repeated_groups_share_their_costs_and_price_their_own_rea
     """Edges between groups of the same classes read alike share one cost matrix (525 of
     966 are distinct on a 4-layer GPT), and every edge's rows, columns and costs are those of
     its own producer's specs and its own consumer's reads."""
-    problem = _four_layer_gpt_problem().problem
+    problem = _gpt_problem().problem
     builder, grouping = problem.builder, problem.grouping
     assert len({id(edge.costs) for edge in problem.edges}) < 0.6 * len(problem.edges)
     for edge in problem.edges:
