@@ -218,7 +218,7 @@ def _batch_read(
     roots = [v for v in eqn.invars if isinstance(v, Var) and v in per_micro_batch]
     read = set(roots)
     for i in ancestors(roots, jaxpr.eqns):
-        read.update(jaxpr.eqns[i].invars)
+        read.update(v for v in jaxpr.eqns[i].invars if isinstance(v, Var))
     return ", ".join(input_paths[i] for i in batch_inputs if jaxpr.invars[i] in read)
 
 

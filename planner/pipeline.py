@@ -143,20 +143,25 @@ def _check_apply_reads(parts: StepParts, batch_inputs: Sequence[int]) -> None:
     """Per-micro-batch values may reach the update and the outputs only through the boundary."""
     jaxpr = parts.closed.jaxpr
     eqns = jaxpr.eqns
-    per_micro_batch = {
-        v: describe_eqn(eqns[i])
+    # what made each per-micro-batch value: an eqn, described only for the error
+    made_by: dict[Var, JaxprEqn | None] = {
+        v: eqns[i]
         for part in (*parts.forward, *parts.backward)
         for i in part
         for v in eqns[i].outvars
     }
-    per_micro_batch.update((jaxpr.invars[i], "a batch input") for i in batch_inputs)
-    readers = [(describe_eqn(eqns[i]), eqns[i].invars) for i in parts.apply]
-    readers.append(("the step's outputs", jaxpr.outvars))
-    for who, invars in readers:
+    made_by.update((jaxpr.invars[i], None) for i in batch_inputs)
+    readers: list[tuple[JaxprEqn | None, Sequence]] = [
+        (eqns[i], eqns[i].invars) for i in parts.apply
+    ]
+    readers.append((None, jaxpr.outvars))
+    for reader, invars in readers:
         for v in invars:
-            if isinstance(v, Var) and v in per_micro_batch:
+            if isinstance(v, Var) and v in made_by:
+                who = "the step's outputs" if reader is None else describe_eqn(reader)
+                what = "a batch input" if made_by[v] is None else describe_eqn(made_by[v])
                 raise PlanningError(
-                    f"{who} reads a value of a micro-batch ({per_micro_batch[v]}) outside the "
+                    f"{who} reads a value of a micro-batch ({what}) outside the "
                     "gradient computation; compute it in the loss function and return it as "
                     "aux (has_aux=True) so it is accumulated over micro-batches"
                 )

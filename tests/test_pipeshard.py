@@ -967,8 +967,25 @@ def test_value_from_the_batch_outside_the_gradient_is_rejected():
         return state.apply_gradients(grads=grads), prediction
 
     method = _method(2, "1f1b", "auto")
-    with pytest.raises(autopar.PlanningError, match="micro-batch"):
+    with pytest.raises(autopar.PlanningError, match="one row per example"):
         autopar.plan(step, *args, method=method)
+
+
+def test_a_batch_metric_scaled_by_the_gradients_is_rejected():
+    """A mean of the batch (divided by a literal count) times a value of the gradients: the
+    error names the batch input it reads."""
+    module, args = _mlp_args()
+
+    def step(state, batch):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        norm = sum(jnp.sum(g) for g in jax.tree.leaves(grads))
+        return state.apply_gradients(grads=grads), jnp.mean(batch["y"]) * norm
+
+    with pytest.raises(autopar.PlanningError, match=r"reads the batch \(batch\['y'\]\)"):
+        autopar.plan(step, *args, method=_method(2, "1f1b", "auto"))
 
 
 # ------------------------------------------------------------------ bad input
