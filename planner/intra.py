@@ -1173,7 +1173,9 @@ def _emit(
         flops += weight * node.flops
         before = totals.at(())
         overlappable = node.id in builder.overlappable_nodes
-        builder.add_node_cost(totals, (), node, s, weight, overlappable, node.id not in once)
+        totals.add_at(
+            (), builder.node_cost(group, node, s, weight, overlappable, node.id not in once)
+        )
         node_outputs[node.id] = s.out_specs
         needs: list[Spec | None] = []
         for pos, ref in enumerate(node.inputs):

@@ -86,6 +86,11 @@ class Costs:
     def _arrays(self) -> tuple[np.ndarray, ...]:
         return self.compute, self.blocking, self.overlap, self.comm_bytes
 
+    def add_at(self, where, values: tuple[float, float, float, float]) -> None:
+        """Add (compute, blocking, overlap, comm bytes), as `at` gives them, to one choice."""
+        for m, value in zip(self._arrays(), values, strict=True):
+            m[where] += value
+
     def copy(self, source, target) -> None:
         """Choice `target`'s costs become choice `source`'s."""
         for m in self._arrays():
@@ -130,6 +135,7 @@ class MeshCache:
         self.reshard: dict[tuple, tuple[float, float]] = {}
         self.copies: dict[tuple, float] = {}  # `copy_bytes`
         self.tiles: dict[Spec, int] = {}  # devices a spec splits a tensor over
+        self.node_costs: dict[tuple, tuple[float, float, float, float]] = {}  # `node_cost`
 
 
 class MenuBuilder:
@@ -411,6 +417,36 @@ class MenuBuilder:
                         seconds, nbytes = self.reshard(aval.shape, aval.dtype.itemsize, have, need)
                         costs.add_comm(k, weight * seconds, weight * nbytes, False)
         return costs
+
+    def node_cost(
+        self,
+        group: Group,
+        node: OpNode,
+        s: Strategy,
+        weight: float,
+        overlappable: bool,
+        own_sum: bool,
+    ) -> tuple[float, float, float, float]:
+        """`add_node_cost`'s (compute, blocking, overlap, comm bytes) for member `node` of
+        `group`, found once for the members alike in their group's menu, position and
+        surroundings (`Roofline.context`): an emission prices every node of its program, most
+        of them repeated layers."""
+        key = (
+            self.menu_key(group),
+            self._local_index(group)[node.id],
+            s,
+            weight,
+            overlappable,
+            own_sum,
+            self.roofline.context(node),
+            node.flops,
+        )
+        found = self.cache.node_costs.get(key)
+        if found is None:
+            scratch = Costs.zeros(())
+            self.add_node_cost(scratch, (), node, s, weight, overlappable, own_sum)
+            found = self.cache.node_costs[key] = scratch.at(())
+        return found
 
     def add_node_cost(
         self,
