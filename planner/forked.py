@@ -137,13 +137,13 @@ class ForkedWorkers:
     ) -> int | None:
         """The first queued task of a key no worker ran, by preference of a group `worker`
         ran, else of a group no worker ran; None where every queued key ran somewhere."""
-        new = [t for t in queued if tasks[t][0] not in self._ran]
-        ran_by = [self._ran_group.get(self.group_of(tasks[t][0]), set()) for t in new]
-        for wanted in (lambda ran: worker in ran, lambda ran: not ran, lambda ran: True):
-            task = next((t for t, ran in zip(new, ran_by, strict=True) if wanted(ran)), None)
-            if task is not None:
-                return task
-        return None
+
+        def rank(task: int) -> int:  # 0: its group ran here; 1: nowhere; 2: elsewhere only
+            ran = self._ran_group.get(self.group_of(tasks[task][0]), set())
+            return 0 if worker in ran else 1 if not ran else 2
+
+        new = (t for t in queued if tasks[t][0] not in self._ran)
+        return min(new, key=rank, default=None)  # the first queued of the best rank
 
     def _take(
         self, worker: int, task: int, tasks: list[tuple[Hashable, Any]], queued: list[int]

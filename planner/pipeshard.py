@@ -176,7 +176,8 @@ def stash_bytes(stage: StageProgram, plan: StagePlan, grouping: Grouping | None 
     graph = stage.program.graph
     mesh = logical_mesh_of(plan.mesh)
     total = 0.0
-    for node, k in held_values(grouping or group_graph(graph), stage.num_forward):
+    grouping = group_graph(graph) if grouping is None else grouping
+    for node, k in held_values(grouping, stage.num_forward):
         specs = plan.node_output_specs.get(node, ())
         spec = specs[k] if k < len(specs) else None
         total += _spec_bytes(graph.node(node).out_avals[k], spec, mesh)
