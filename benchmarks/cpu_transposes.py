@@ -1,0 +1,121 @@
+"""What a transposing element-wise kernel costs on XLA:CPU: the evidence behind MoE's gap in
+`make bench-costmodel` (issue 20), on ONE real CPU device.
+
+The roofline prices a transpose that moves the minor dimension, and a layout copy that an
+element-wise fusion writes transposed, at one rate: `ClusterSpec.transpose_bandwidth`, which
+`autopar.profile_cluster()` measures as back-to-back swaps of 512x512 planes filling a 64 MiB
+buffer. This times the cases that rate stands for, each the least of `REPEATS` waited calls of
+one jitted function:
+
+* the same transpose over 8 MiB (its result reuses the allocator's memory) and over 64 MiB (its
+  result is mapped afresh every call, as the profile's is: glibc maps buffers from 32 MiB);
+* the transposes of the MoE expert layer's activations, [4, 16, 32, 1024] -> [4, 1024, 16, 32]
+  (read with a 4 KiB stride), with what XLA fuses into them: arrays only (x * z), a broadcast
+  constant (x * 0.5, (1 + z) * x), and the GELU-gradient-like chain of the MoE step's slowest
+  kernel;
+* each of those element-wise chains without the transpose, streaming.
+
+GB/s counts the bytes of every array read and of the result written.
+
+    python benchmarks/cpu_transposes.py
+
+Writes benchmarks/results/cpu_transposes.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+REPEATS = 20
+MOE = (4, 16, 32, 1024)  # (experts, groups, capacity, ffn) of the cost-model zoo's MoE
+TO_FFN_MAJOR = (0, 3, 1, 2)
+
+
+def _gelu_gradient_like(x, z, w):
+    """Three arrays and five broadcast constants, as the MoE step's slowest kernel has."""
+    return (w * (0.5 * (1 + x)) + 0.797 * (z * w * 0.5 * (1 - x) * x)) * (3 * z * z)
+
+
+# (name, arrays it reads, the element-wise chain)
+CHAINS = [
+    ("x (a copy)", 1, lambda x, z, w: x),
+    ("x * z", 2, lambda x, z, w: x * z),
+    ("x * 0.5", 1, lambda x, z, w: x * 0.5),
+    ("(1 + z) * x", 2, lambda x, z, w: (1 + z) * x),
+    ("GELU-gradient-like, 3 arrays", 3, _gelu_gradient_like),
+]
+
+
+def _transposed(chain):
+    return lambda x, z, w: jnp.transpose(chain(x, z, w), TO_FFN_MAJOR)
+
+
+def _seconds(fun, *args) -> float:
+    jitted = jax.jit(fun)
+    jax.block_until_ready(jitted(*args))
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _row(case: str, shape, arrays: int, fun) -> dict:
+    args = [jnp.full(shape, 0.5 + 0.1 * i, jnp.float32) for i in range(3)]
+    seconds = _seconds(fun, *args)
+    array_bytes = 4 * math.prod(shape)
+    return {
+        "case": case,
+        "shape": list(shape),
+        "arrays_read": arrays,
+        "mib_per_array": array_bytes / 2**20,
+        "ms": seconds * 1e3,
+        "gb_per_s": array_bytes * (arrays + 1) / seconds / 1e9,
+    }
+
+
+def main() -> None:
+    if len(jax.devices()) != 1:
+        raise SystemExit("run with ONE device (unset XLA_FLAGS device counts)")
+    swap = lambda x, z, w: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    rows = [
+        _row("512x512 planes swapped, 8 MiB", (8, 512, 512), 1, swap),
+        _row("512x512 planes swapped, 64 MiB (the profile's)", (64, 512, 512), 1, swap),
+    ]
+    for name, arrays, chain in CHAINS:
+        rows.append(_row(f"{name}, streaming", MOE, arrays, chain))
+        rows.append(_row(f"{name}, transposed", MOE, arrays, _transposed(chain)))
+    for r in rows:
+        print(f"{r['case']:<52} {r['ms']:8.2f} ms {r['gb_per_s']:7.1f} GB/s", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    device = jax.devices()[0].device_kind
+    data = {"device": f"one real CPU device ({device}), {os.cpu_count()} CPUs", "rows": rows}
+    (RESULTS / "cpu_transposes.json").write_text(json.dumps(data, indent=2) + "\n")
+    lines = [
+        "# Transposing element-wise kernels on XLA:CPU",
+        "",
+        f"`python benchmarks/cpu_transposes.py` on {data['device']}: the least of {REPEATS}",
+        "waited calls of each jitted function; GB/s counts every array read and the result.",
+        f"MoE shape {list(MOE)} transposed to {list(TO_FFN_MAJOR)} (8 MiB per array).",
+        "",
+        "| case | arrays read | ms | GB/s |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['arrays_read']} | {r['ms']:.2f} | {r['gb_per_s']:.1f} |")
+    (RESULTS / "cpu_transposes.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
