@@ -42,7 +42,7 @@ TO_FFN_MAJOR = (0, 3, 1, 2)
 
 
 def _gelu_gradient_like(x, z, w):
-    """Three arrays and five broadcast constants, as the MoE step's slowest kernel has."""
+    """Three arrays and broadcast constants, as the MoE step's slowest kernel reads."""
     return (w * (0.5 * (1 + x)) + 0.797 * (z * w * 0.5 * (1 - x) * x)) * (3 * z * z)
 
 
