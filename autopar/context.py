@@ -16,7 +16,7 @@ import os
 
 import jax
 
-from autopar.planner.cluster import ClusterSpec
+from autopar.planner.cluster import CPU_SCHEDULER_FLAG, ClusterSpec
 from autopar.planner.errors import InvalidArgumentError
 from autopar.runtime.executors import Executor, LocalExecutor
 
@@ -79,7 +79,7 @@ def simulate_cpu_devices(num_devices: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
     wanted = {
         "--xla_force_host_platform_device_count": str(num_devices),
-        "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
+        CPU_SCHEDULER_FLAG: "false",
     }
     flags = [f for f in flags if f.split("=")[0] not in wanted]
     flags += [f"{k}={v}" for k, v in wanted.items()]

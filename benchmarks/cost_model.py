@@ -343,6 +343,10 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
         f"| weight-gradient matmul (x^T·y, fp32) | {spec.transposed_matmul_flops / 1e9:.1f} "
         "GFLOP/s |",
+        f"| max pool (3x3, 64 channels) | {spec.window_reduction_rate / 1e9:.2f} Gwindow "
+        "element/s |",
+        f"| max pool gradient (3x3, stride 2) | {spec.select_and_scatter_rate / 1e6:.1f} "
+        "Mwindow/s |",
         f"| first writes to fresh memory (from {spec.fresh_memory_threshold / 2**20:.0f} MiB) | "
         + (
             "free (pooled)"

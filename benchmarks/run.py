@@ -45,11 +45,14 @@ are listed as not attempted (`--attempt-all` plans them anyway).
 
 Part 2 (`--no-compile` skips it) checks the cost model against XLA where a case runs here: each
 family at a reduced size (`COMPILE_CONFIGS`), ShardParallel on 8 simulated CPU devices planned
-for each cluster preset (`autopar.init(cluster_spec=...)`) and compiled with real arrays; the
+for each cluster preset (`autopar.init(cluster_spec=...)`, with `platform="cpu"`: the memory
+model follows the backend that compiles, XLA:CPU's layout copies and scheduler) and compiled with
+real arrays; the
 predicted collective bytes and peak memory per device next to the compiled HLO's collectives
 (`Executable.collectives()`) and XLA's memory analysis (`Executable.memory_stats()`). One
 micro-batch, so that no collective sits in a gradient-accumulation loop that the HLO text shows
 once. Only these processes simulate devices; the planning processes need none.
+`--compile-only` reruns part 2 alone and keeps part 1's rows of the results JSON.
 
 Writes benchmarks/results/suite.json, suite.md and the plots suite_tflops.png (predicted TFLOP/s
 per device against devices, ours and the best baseline), suite_vs_baseline.png and
@@ -332,17 +335,22 @@ def plan_one(case: Case, args: argparse.Namespace, out: pathlib.Path) -> None:
 
 def compile_one(family_name: str, cluster_name: str, out: pathlib.Path) -> None:
     """`family_name` at its reduced size on 8 simulated CPU devices, planned for `cluster_name`
-    and compiled: predicted collective bytes and peak memory next to the HLO's and XLA's."""
+    with XLA:CPU's memory rules (`ClusterSpec.platform`: its layout copies and scheduler; the
+    GPU's cannot be checked here) and compiled: predicted collective bytes and peak memory
+    next to the HLO's and XLA's."""
     import autopar
 
     autopar.simulate_cpu_devices(COMPILE_DEVICES)  # before jax creates its backend
     import jax.numpy as jnp
 
-    from autopar.planner.cluster import ClusterSpec
+    from autopar.planner.cluster import ClusterSpec, xla_cpu_dfs_scheduler
 
     family, module = _family(family_name)
     config = family.make_config("tiny", **COMPILE_CONFIGS[family_name])
-    autopar.init(cluster="local", cluster_spec=ClusterSpec.preset(cluster_name))
+    # The preset's speeds, XLA:CPU's layout and scheduling rules: XLA:CPU compiles the plan
+    preset = ClusterSpec.preset(cluster_name)
+    spec = dataclasses.replace(preset, platform="cpu", dfs_schedule=xla_cpu_dfs_scheduler())
+    autopar.init(cluster="local", cluster_spec=spec)
     try:
         state = module.create_train_state(config, batch_size=COMPILE_BATCH)
         batch = module.make_batch(config, COMPILE_BATCH)
@@ -713,8 +721,9 @@ def _compile_table(compiled: list[dict[str, Any]]) -> list[str]:
         f"## Cost model against XLA ({COMPILE_DEVICES} simulated CPU devices)",
         "",
         f"Each family at a reduced size, batch {COMPILE_BATCH}, 1 micro-batch, ShardParallel "
-        "planned for the cluster preset and compiled by XLA: the predicted collective bytes per "
-        "device against the summed result sizes of the HLO's collectives "
+        "planned for the cluster preset with the memory rules of XLA:CPU, the backend that "
+        "compiles it (`ClusterSpec.platform` cpu), and compiled by XLA: the predicted "
+        "collective bytes per device against the summed result sizes of the HLO's collectives "
         "(`Executable.collectives()`), the predicted peak memory per device against XLA's "
         "memory analysis (arguments + outputs − aliases + temporaries, "
         "`Executable.memory_stats().peak_bytes`).",
@@ -942,6 +951,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-compile", action="store_true", help="skip part 2 (XLA check)")
     parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="rerun part 2 alone, keeping part 1's rows of the results JSON (--name)",
+    )
+    parser.add_argument(
         "--name",
         default="suite",
         help="output name: benchmarks/results/NAME.json, NAME.md, NAME_*.png",
@@ -972,6 +986,13 @@ def main() -> None:
         write_report(result)
         return None
 
+    if args.compile_only:
+        result = json.loads((RESULTS / f"{args.name}.json").read_text())
+        result["compile_rows"] = compile_all(args)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_report(result)
+        return None
+
     from autopar.planner.cluster import preset_names
 
     unknown = [c for c in args.clusters if c not in preset_names()]
@@ -996,17 +1017,7 @@ def main() -> None:
             f"{_fmt(row.get('ratio'), '.3f')}, plan {_fmt(row.get('plan_s'), '.1f')} s, wall "
             f"{row['wall_s']:.0f} s"
         )
-    compile_rows = []
-    if not args.no_compile:
-        pairs = [(f, c) for f in args.families for c in args.clusters]
-        for family, cluster in tqdm(pairs, desc="compile", unit="case"):
-            row = run_compile(family, cluster, args)
-            compile_rows.append(row)
-            tqdm.write(
-                f"{family} (reduced) for {cluster}: comm pred/HLO "
-                f"{_fmt(row.get('comm_ratio'), '.3f')}, memory pred/XLA "
-                f"{_fmt(row.get('memory_ratio'), '.3f')}"
-            )
+    compile_rows = [] if args.no_compile else compile_all(args)
     result = {
         "setup": {
             "name": args.name,
@@ -1030,6 +1041,21 @@ def main() -> None:
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     write_report(result)
     return None
+
+
+def compile_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Part 2's rows: each family at its reduced size compiled for each cluster."""
+    rows = []
+    pairs = [(f, c) for f in args.families for c in args.clusters]
+    for family, cluster in tqdm(pairs, desc="compile", unit="case"):
+        row = run_compile(family, cluster, args)
+        rows.append(row)
+        tqdm.write(
+            f"{family} (reduced) for {cluster}: comm pred/HLO "
+            f"{_fmt(row.get('comm_ratio'), '.3f')}, memory pred/XLA "
+            f"{_fmt(row.get('memory_ratio'), '.3f')}"
+        )
+    return rows
 
 
 def write_report(result: dict[str, Any]) -> None:

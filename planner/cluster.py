@@ -53,6 +53,23 @@ slowly, per array of that shape it reads or writes: a GPT's layer norm gradient 
 that also writes two such arrays took 18 µs on an H200, a plain one 3.5 µs.
 `column_reduction_array_rate` (rows/s per array) prices it; None: not priced.
 
+XLA:CPU runs a reduce-window (a max or average pool) as a scalar loop over each output's window,
+element by element: a 3x3 max pool of stride 2 over 4 MiB took 0.6 ms on a 2-core host, 0.25 ns
+per window element and 8x its bytes' time. Max pooling's gradient (`select_and_scatter_add`) it
+expands into an int32 iota of the operand's shape per dimension, a reduce-window over the
+operand and those iotas that picks each window's maximum and its index, and a scatter of the
+gradient there: 60 ns a window on that host, a hundred times its bytes' time (22 ns where the
+operand fits in 1 MiB; the profile measures beyond the caches, as training-size activations
+are). `window_reduction_rate` (window elements/s) and `select_and_scatter_rate` (windows/s)
+price them where a spec gives them; None (the presets: no GPU was measured on them): priced by
+their bytes.
+
+Peak memory follows the order XLA runs a step in (`autopar.planner.memory`). XLA:CPU's DFS memory
+scheduler, which `autopar.simulate_cpu_devices` selects, runs every weight gradient but the
+first layer's after the whole backward pass; `dfs_schedule` says a spec's XLA:CPU uses it
+(`ClusterSpec.local` and `autopar.profile_cluster()` read it off XLA_FLAGS). Otherwise steps
+are taken in program order, close to XLA:CPU's default breadth-first scheduler.
+
 All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run slower than it
 on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales
 its bytes term (`autopar.profile_cluster()` fits it; 1 in the presets).
@@ -97,9 +114,23 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "fresh_memory_rate",
     "column_reduction_rate",
     "column_reduction_array_rate",
+    "window_reduction_rate",
+    "select_and_scatter_rate",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
+# False selects XLA:CPU's DFS memory scheduler over its breadth-first default
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def xla_cpu_dfs_scheduler() -> bool:
+    """Whether this process's XLA:CPU schedules with its DFS memory scheduler: its
+    concurrency-optimised default turned off in XLA_FLAGS, as `autopar.simulate_cpu_devices`
+    does (read when a CPU spec is made, as XLA reads it when it compiles)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(f in flags for f in (f"{CPU_SCHEDULER_FLAG}=false", f"{CPU_SCHEDULER_FLAG}=0"))
+
+
 _SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
 
@@ -153,6 +184,9 @@ class ClusterSpec:
     # rows/s per array of its operand's size a column reduction with fused element-wise outputs
     # reads or writes; None: such outputs are priced by their bytes
     column_reduction_array_rate: float | None = None
+    window_reduction_rate: float | None = None  # window elements/s of a pool; None: by bytes
+    # windows/s of max pooling's gradient (`select_and_scatter_add`); None: priced by its bytes
+    select_and_scatter_rate: float | None = None
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
@@ -160,6 +194,9 @@ class ClusterSpec:
     all_to_all_factor: float = 1.0  # all-to-all time over its α-β formula's bytes term
     # (FLOPs, fraction of the peak) of matmuls by size, FLOPs increasing; () : every size at peak
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # XLA:CPU schedules with its DFS memory scheduler (`xla_cpu_dfs_scheduler`); False: in
+    # about program order (its default breadth-first scheduler, and every GPU spec)
+    dfs_schedule: bool = False
 
     def __post_init__(self) -> None:
         for field in _INT_FIELDS:
@@ -189,6 +226,8 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
             object.__setattr__(self, field, float(value))
         object.__setattr__(self, "matmul_efficiency", _checked_curve(self.matmul_efficiency))
+        if not isinstance(self.dfs_schedule, bool):
+            raise ValueError(f"ClusterSpec.dfs_schedule must be a bool, got {self.dfs_schedule!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
         if self.platform not in PLATFORMS:
@@ -332,6 +371,7 @@ class ClusterSpec:
             kernel_overhead_s=2e-6,  # ~2 µs: dispatching one fused loop
             launch_overhead_s=5e-6,  # a jitted call on a 2-core machine (`profile_cluster`)
             buffer_overhead_s=0.6e-6,
+            dfs_schedule=xla_cpu_dfs_scheduler(),
         )
 
 

@@ -175,7 +175,12 @@ class _Step:
     @classmethod
     def of(cls, program: Program, cluster: ClusterSpec, n: int) -> _Step:
         grouping = group_graph(program.graph)
-        live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
+        live = liveness(
+            grouping,
+            program.signature,
+            cpu=cluster.platform == "cpu",
+            dfs=cluster.platform == "cpu" and cluster.dfs_schedule,
+        )
         mesh = logical_mesh(cluster, (n,), ("batch",))
         batch = batch_dims(grouping, program.signature.batch_inputs, mesh, 0)
         return cls(grouping, live, batch, gradient_part(program.graph))

@@ -262,7 +262,12 @@ class ProgramAnalysis:
             for group in grouping.groups:
                 group.cls = group.index
             num_classes = len(grouping.groups)
-        live = liveness(grouping, program.signature, cpu=cluster.platform == "cpu")
+        live = liveness(
+            grouping,
+            program.signature,
+            cpu=cluster.platform == "cpu",
+            dfs=cluster.platform == "cpu" and cluster.dfs_schedule,
+        )
         return cls(
             program,
             cluster,

@@ -8,7 +8,7 @@ launches nothing; an operand computed inside the reader's fusion is not read fro
 element-wise chain is one kernel that reads its inputs and writes its result once, and the
 optimizer update (element-wise over every parameter and both Adam moments) is memory-bound.
 
-Four op classes do not run at the matmul peak or the streaming bandwidth, and a spec that
+Six op classes do not run at the matmul peak or the streaming bandwidth, and a spec that
 measured them (`autopar.profile_cluster()`) prices them at their own rates:
 
 * transcendentals (XLA's class: `exp`, `log`, `tanh`, `logistic`, `erf`, `sqrt`, ...) take
@@ -32,7 +32,11 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   `column_reduction_rate` rows/s whatever its width, where that is slower than its bytes, and
   at `column_reduction_array_rate` rows/s per array of its operand's size that its kernel
   reads or writes where XLA fuses element-wise outputs of that shape into it
-  (`Roofline.column_reduction_s`).
+  (`Roofline.column_reduction_s`);
+* a pool (a reduce-window) visits each output's window element by element on a CPU, at
+  `window_reduction_rate` window elements/s, and max pooling's gradient, which XLA:CPU expands
+  into int32 iotas, a selecting reduce-window and a scatter, takes each window at
+  `select_and_scatter_rate` (`Roofline.window_s`).
 
 A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs per device: a
 small matmul leaves cores or tensor-core units idle and pays set-up that a large one amortizes
@@ -70,6 +74,8 @@ _CONTRACTIONS = frozenset(
 )
 _TRANSCENDENTAL = names_where("transcendental")
 _FUSED = names_where("fuses")  # element-wise: loop fusions, as the memory model fuses them
+# Pools of one operand: the reduce-windows `ClusterSpec.window_reduction_rate` prices.
+_WINDOW_REDUCTIONS = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min"})
 # XLA:GPU reduces more rows than this in two kernels of about √rows each (its tree reduction
 # rewriter, which spares it atomics): an H200 sums a 4096-row float32 array over its rows in one
 # kernel and a 16384-row one in two (`ClusterSpec.column_reduction_rate`).
@@ -360,6 +366,7 @@ class Roofline:
             # flops counts one per element (`planner.graph.elementwise_flops`)
             seconds = max(seconds, flops / self.cluster.transcendental_rate)
         seconds = max(seconds, self.column_reduction_s(node, in_bytes, out_bytes))
+        seconds = max(seconds, self.window_s(node, in_bytes, out_bytes))
         seconds += sum(
             self.copy_s(
                 sum(out_bytes) if c.position is None else in_bytes[c.position] or 0.0, c.strided
@@ -399,6 +406,25 @@ class Roofline:
         if seconds == 0.0:
             return 0.0
         return seconds + (self.cluster.kernel_overhead_s if split else 0.0)
+
+    def window_s(
+        self, node: OpNode, in_bytes: Sequence[float | None], out_bytes: Sequence[float]
+    ) -> float:
+        """Seconds beyond its kernel floor that `node`, with operands and outputs of the given
+        per-device sizes, takes to visit its windows where it is a pool (each output's window
+        elements at `ClusterSpec.window_reduction_rate`) or max pooling's gradient (each
+        window, one per element of its source, at `select_and_scatter_rate`) and the spec
+        prices those; 0 otherwise."""
+        if node.primitive == "select_and_scatter_add":
+            rate = self.cluster.select_and_scatter_rate
+            windows = (in_bytes[0] or 0.0) / np.dtype(node.in_avals[0].dtype).itemsize
+        elif node.primitive in _WINDOW_REDUCTIONS:
+            rate = self.cluster.window_reduction_rate
+            outputs = out_bytes[0] / np.dtype(node.out_avals[0].dtype).itemsize
+            windows = outputs * math.prod(node.params["window_dimensions"])
+        else:
+            return 0.0
+        return 0.0 if rate is None else windows / rate
 
     def copy_s(self, nbytes: float, strided: bool) -> float:
         """Seconds of one kernel copying `nbytes` into another layout: read and written at the

@@ -27,6 +27,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
 - `column_reduction_array_rate`: on a GPU, rows per second per full-shape array a column
   reduction walks where XLA fuses an element-wise output of its operand's shape into it
   (`microbench.measure_column_reduction_arrays`); None on a CPU, or where XLA fuses none;
+- `window_reduction_rate`, `select_and_scatter_rate`: a 3x3 max pool (stride 1, so a step keeps
+  its shape) over 4 MiB of 32x32 images of 64 channels per device, window elements per second,
+  and the gradient of one of stride 2 (`select_and_scatter_add`), windows per second;
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -58,7 +61,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.planner.cluster import GLIBC_MMAP_THRESHOLD, PLATFORMS, ClusterSpec
+from autopar.planner.cluster import (
+    GLIBC_MMAP_THRESHOLD,
+    PLATFORMS,
+    ClusterSpec,
+    xla_cpu_dfs_scheduler,
+)
 from autopar.planner.cost import Collective, LogicalMesh
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.progress import progress_bar
@@ -81,10 +89,12 @@ from autopar.runtime.microbench import (
     measure_launch,
     measure_matmul_ramp,
     measure_matmuls,
+    measure_select_and_scatter,
     measure_stream,
     measure_transcendental,
     measure_transpose,
     measure_transposed_matmul,
+    measure_window_reduction,
     physical_mesh,
 )
 
@@ -200,7 +210,9 @@ class ClusterProfile:
             f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
             f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
-            f"{_si(s.transposed_matmul_flops)}FLOP/s",
+            f"{_si(s.transposed_matmul_flops)}FLOP/s, max pools "
+            f"{_si(s.window_reduction_rate)}window element/s, their gradients "
+            f"{_si(s.select_and_scatter_rate)}window/s",
             f"  fresh memory: {_fresh(s)}; column reductions: {_column(s)}",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
@@ -397,6 +409,7 @@ def build_spec(
         ),
         **peaks,  # device_flops (bf16), tf32_flops, fp32_flops
         **rated,
+        dfs_schedule=platform == "cpu" and xla_cpu_dfs_scheduler(),
     )
     return spec, unmeasured
 
@@ -508,6 +521,9 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         rates.append(measure_fresh_memory(local, sizes, GLIBC_MMAP_THRESHOLD))
         rates.append(measure_column_reduction(local, sizes, kernel.per_kernel_s))
         rates.append(measure_column_reduction_arrays(local, sizes, kernel.per_kernel_s))
+        bar.update()
+        rates.append(measure_window_reduction(local, sizes))
+        rates.append(measure_select_and_scatter(local, sizes))
         bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:

@@ -1,6 +1,7 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
 floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
-transposes, weight gradients, a GPU's column reductions), the host's cost to launch a program,
+transposes, weight gradients, a GPU's column reductions, max pools and their gradients), the
+host's cost to launch a program,
 and collectives, timed on the devices themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
@@ -25,6 +26,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -216,6 +218,8 @@ class RateKind(enum.Enum):
     # rows/s per full-shape array a GPU's column reduction walks where XLA fuses element-wise
     # work of the reduced array's shape into it (its reads and side outputs)
     COLUMN_REDUCTION_ARRAY = "column reduction array"
+    WINDOW_REDUCTION = "window reduction"  # a float32 3x3 max pool: window elements per second
+    SELECT_AND_SCATTER = "select and scatter"  # a 3x3 max pool's gradient: windows per second
 
     @property
     def spec_field(self) -> str:
@@ -227,6 +231,8 @@ class RateKind(enum.Enum):
             "fresh memory": "fresh_memory_rate",
             "column reduction": "column_reduction_rate",
             "column reduction array": "column_reduction_array_rate",
+            "window reduction": "window_reduction_rate",
+            "select and scatter": "select_and_scatter_rate",
         }[self.value]
 
 
@@ -358,6 +364,13 @@ def _filled(mesh: Mesh, shape: tuple[int, ...], dtype: Any, value: float) -> jax
     """A global array of `shape` (dim 0 split over all of `mesh`), made on the devices."""
     sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
     return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)()
+
+
+def _uniform(mesh: Mesh, shape: tuple[int, ...]) -> jax.Array:
+    """Float32 values uniform in [0, 1) laid out as `_filled`'s: for ops whose time depends on
+    which element wins a comparison (a max pool's gradient ran 20% faster over zeros)."""
+    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    return jax.jit(lambda: jax.random.uniform(jax.random.key(0), shape), out_shardings=sharding)()
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -492,6 +505,53 @@ def measure_transpose(devices: Sequence[jax.Device], sizes: ProfileSizes) -> Rat
     step = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     seconds = _op_s(_per_device(mesh, 1), step, x, (), sizes, fusible=True)
     return RateTiming(RateKind.TRANSPOSE, 2 * 4 * planes * _TRANSPOSE_SIDE**2, seconds)
+
+
+# A ResNet's max pool: 3x3 windows, each spatial side padded by one (stride 2 halves them).
+_POOL_WINDOW = (1, 3, 3, 1)
+_POOL_PADDING = ((0, 0), (1, 1), (1, 1), (0, 0))
+
+
+def _max_pool(x: jax.Array, strides: tuple[int, ...]) -> jax.Array:
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, _POOL_WINDOW, strides, _POOL_PADDING)
+
+
+def _pool_images(mesh: Mesh, sizes: ProfileSizes) -> tuple[jax.Array, int]:
+    """`_CONV_SIDE`² images of `_CONV_CHANNELS` channels, as many per device as
+    `sizes.stream_bytes` / 16 of input holds (at least one: 4 MiB by default, beyond the
+    caches, as training-size activations are), and that count."""
+    image = _CONV_SIDE * _CONV_SIDE * _CONV_CHANNELS
+    batch = max(1, sizes.stream_bytes // 16 // (4 * image))
+    shape = (len(mesh.devices.flat) * batch, _CONV_SIDE, _CONV_SIDE, _CONV_CHANNELS)
+    return _uniform(mesh, shape), batch
+
+
+def measure_window_reduction(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """A 3x3 max pool of stride 1 (so each step keeps its operand's shape) over `_pool_images`:
+    window elements visited per second (XLA:CPU loops over them one by one)."""
+    mesh = _local_mesh(devices)
+    x, batch = _pool_images(mesh, sizes)
+    step = lambda x: _max_pool(x, (1, 1, 1, 1))  # noqa: E731
+    seconds = _op_s(_per_device(mesh, 1), step, x, (), sizes)
+    windows = batch * _CONV_SIDE * _CONV_SIDE * _CONV_CHANNELS
+    return RateTiming(RateKind.WINDOW_REDUCTION, windows * math.prod(_POOL_WINDOW), seconds)
+
+
+def measure_select_and_scatter(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+    """The gradient of a 3x3 max pool of stride 2 over `_pool_images` (`select_and_scatter_add`,
+    added to the images so a step keeps their shape and their values spread): windows per
+    second, each the selection of its maximum and the scatter of its gradient there."""
+    mesh = _local_mesh(devices)
+    x, batch = _pool_images(mesh, sizes)
+    strides = (1, 2, 2, 1)
+    pooled = jax.eval_shape(lambda x: _max_pool(x, strides), x).shape
+    grad = _filled(mesh, pooled, jnp.float32, 1.0)
+
+    def step(x, grad):
+        return x + jax.vjp(lambda x: _max_pool(x, strides), x)[1](grad)[0]
+
+    seconds = _op_s(_per_device(mesh, 2), step, x, (grad,), sizes)
+    return RateTiming(RateKind.SELECT_AND_SCATTER, batch * math.prod(pooled[1:]), seconds)
 
 
 def measure_transposed_matmul(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:

@@ -29,6 +29,7 @@ _FORMAT_11_FIELDS = ("kernel_update_s",)
 _FORMAT_12_FIELDS = ("matmul_efficiency",)
 _FORMAT_13_FIELDS = ("column_reduction_rate",)
 _FORMAT_14_FIELDS = ("column_reduction_array_rate",)
+_FORMAT_15_FIELDS = ("window_reduction_rate", "select_and_scatter_rate", "dfs_schedule")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -43,6 +44,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_12_FIELDS,
     *_FORMAT_13_FIELDS,
     *_FORMAT_14_FIELDS,
+    *_FORMAT_15_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -85,10 +87,13 @@ def test_peak_depends_on_dtype_and_precision():
         ("transpose_bandwidth", float("nan")),
         ("column_reduction_rate", -1e9),
         ("column_reduction_array_rate", 0.0),
+        ("window_reduction_rate", -1.0),
+        ("select_and_scatter_rate", float("inf")),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
         ("all_to_all_factor", 0.0),
+        ("dfs_schedule", "yes"),
     ],
 )
 def test_roofline_fields_are_validated(field, value):
@@ -130,6 +135,39 @@ def test_transcendentals_run_at_the_measured_rate():
     assert _compute_s(step, 0.0, x, CPU) == pytest.approx(x.size / 1e8 + CPU.kernel_overhead_s)
     unmeasured = dataclasses.replace(CPU, transcendental_rate=None)
     assert _compute_s(step, 0.0, x, unmeasured) == pytest.approx(memory_s + CPU.kernel_overhead_s)
+
+
+def _max_pool(x):
+    """A ResNet's max pool: 3x3 windows, stride 2, each spatial side padded by one."""
+    padding = ((0, 0), (1, 1), (1, 1), (0, 0))
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), padding)
+
+
+POOLED = dataclasses.replace(CPU, window_reduction_rate=1e8, select_and_scatter_rate=1e6)
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["pool", "gradient"])
+def test_pools_and_their_gradients_run_at_the_measured_rates(gradient):
+    """A max pool of 32 images of 32x32x16 has 131072 windows of 9 elements: 11.8 ms at 1e8
+    window elements/s where its 2.5 MiB of bytes take under 0.1 ms; its gradient
+    (`select_and_scatter_add`) takes 131 ms at 1e6 windows/s. Unmeasured, both are priced by
+    their bytes (XLA:CPU runs them ten to a hundred times slower than that)."""
+    x = jax.ShapeDtypeStruct((32, 32, 32, 16), jnp.float32)
+    windows = 32 * 16 * 16 * 16
+    if gradient:
+        dy = jax.ShapeDtypeStruct((32, 16, 16, 16), jnp.float32)
+        step = lambda s, xy: (s, jax.vjp(_max_pool, xy[0])[1](xy[1])[0])  # noqa: E731
+        args, field, seconds = (x, dy), "select_and_scatter_rate", windows / 1e6
+        nbytes = 4 * (dy.size + 2 * x.size)  # reads the gradient and x, writes x's shape
+    else:
+        step = lambda s, x: (s, _max_pool(x))  # noqa: E731
+        args, field, seconds = x, "window_reduction_rate", 9 * windows / 1e8
+        nbytes = 4 * (x.size + windows)
+    unmeasured = dataclasses.replace(POOLED, **{field: None})
+    bytes_s = nbytes / (CPU.memory_bandwidth * CPU.memory_efficiency)
+    assert seconds > 10 * bytes_s
+    priced = _compute_s(step, 0.0, args, POOLED) - _compute_s(step, 0.0, args, unmeasured)
+    assert priced == pytest.approx(seconds - bytes_s, rel=1e-6)
 
 
 # A GPU whose column reductions walk 1e9 rows/s (an H200 measured about that).
@@ -411,9 +449,10 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (10, (*_FORMAT_11_FIELDS, *_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
         (11, (*_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
         (12, (*_FORMAT_13_FIELDS, *_FORMAT_14_FIELDS)),
-        (13, _FORMAT_14_FIELDS),
+        (13, (*_FORMAT_14_FIELDS, *_FORMAT_15_FIELDS)),
+        (14, _FORMAT_15_FIELDS),
     ],
-    ids=[f"format {v}" for v in range(6, 14)],
+    ids=[f"format {v}" for v in range(6, 15)],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
