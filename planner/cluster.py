@@ -7,13 +7,14 @@ axis 1 stays inside one. Units: FLOP/s, bytes, bytes/s, seconds.
 Compute is priced per op as a roofline (`autopar.planner.cost.op_time`): the op's FLOPs at the
 peak for its dtype (`peak_flops`: 16-bit, TF32 or fp32) times `compute_efficiency`, against the
 bytes it moves at `memory_bandwidth` times `memory_efficiency`, plus `kernel_overhead_s` per
-kernel. Three op classes run at rates of their own where a spec gives them (achieved rates, which
+kernel. Some op classes run at rates of their own where a spec gives them (achieved rates, which
 the efficiencies do not scale): element-wise transcendentals (`exp`, `tanh`, ...) at
 `transcendental_rate` elements/s, convolutions at `conv_flops`, transposes that move the minor
-(contiguous) dimension at `transpose_bandwidth`, and matmuls whose lhs contracts a dimension other
+(contiguous) dimension at `transpose_bandwidth`, matmuls whose lhs contracts a dimension other
 than its minor one (a weight gradient x^T·dy, which XLA:CPU runs outside its fast matmul kernels)
-at `transposed_matmul_flops`. A small matmul does not reach the peak (it leaves cores or
-tensor-core units idle and pays set-up that a large one amortizes): `matmul_efficiency` holds
+at `transposed_matmul_flops`, and pools and their gradients (below). A small matmul does not
+reach the peak (it leaves cores or tensor-core units idle and pays set-up that a large one
+amortizes): `matmul_efficiency` holds
 measured (FLOPs, fraction of the peak) points, and a contraction of F FLOPs per device runs at
 its peak times `matmul_fraction(F)` (`autopar.profile_cluster()` measures the points; the
 presets have none). The fields after `platform` have defaults that
