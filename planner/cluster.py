@@ -68,8 +68,9 @@ their bytes.
 Peak memory follows the order XLA runs a step in (`autopar.planner.memory`). XLA:CPU's DFS memory
 scheduler, which `autopar.simulate_cpu_devices` selects, runs every weight gradient but the
 first layer's after the whole backward pass; `dfs_schedule` says a spec's XLA:CPU uses it
-(`ClusterSpec.local` and `autopar.profile_cluster()` read it off XLA_FLAGS). Otherwise steps
-are taken in program order, close to XLA:CPU's default breadth-first scheduler.
+(`ClusterSpec.local` and `autopar.profile_cluster()` read it off XLA_FLAGS; Ray's simulated
+hosts always do). Otherwise steps are taken in program order, close to XLA:CPU's default
+breadth-first scheduler.
 
 All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run slower than it
 on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales

@@ -304,7 +304,8 @@ def _cluster_spec(
     n = 8 if num_devices is None else num_devices
     if not isinstance(n, int) or n < 1:
         raise InvalidArgumentError(f"num_devices must be a positive int, got {num_devices!r}")
-    return ClusterSpec.local(n)
+    # the workers simulate their devices (`simulate_cpu_devices`): XLA runs its DFS scheduler
+    return dataclasses.replace(ClusterSpec.local(n), dfs_schedule=True)
 
 
 # ----------------------------------------------------------------------------- the driver

@@ -73,6 +73,17 @@ def test_unreachable_address_is_a_clear_error():
     autopar.shutdown()
 
 
+def test_simulated_hosts_are_planned_with_their_workers_scheduler(monkeypatch):
+    """Without GPUs the workers simulate their devices, whose XLA runs the DFS memory scheduler
+    (`simulate_cpu_devices`), whatever the driver's own flags: the default spec says so."""
+    from autopar.runtime.ray import _cluster_spec
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert not autopar.ClusterSpec.local(4).dfs_schedule
+    spec = _cluster_spec([], [], False, None, 4)
+    assert spec.dfs_schedule and spec.num_devices == 4 and spec.platform == "cpu"
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False)  # worker logs come to this process
