@@ -1,8 +1,7 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
 floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
 transposes, weight gradients, a GPU's column reductions, max pools and their gradients), the
-host's cost to launch a program,
-and collectives, timed on the devices themselves.
+host's cost to launch a program, and collectives, timed on the devices themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
 figure is what one device gets while its neighbours work too: the same on GPUs, and the honest
