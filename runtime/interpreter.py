@@ -7,7 +7,8 @@ batch: reduce-scattered per micro-batch, or kept `Unreduced` (each device's own 
 that gradient accumulation adds them up locally and reduces once per step (`reduce_partial_sums`).
 An unreduced value passes through layout ops and sums on its way to the gradient boundary; any
 other reader gets it reduced. Differentiated `checkpoint` eqns are re-emitted with their original
-remat parameters so XLA still recomputes (e.g. re-gathers parameters) in the backward pass.
+remat parameters so XLA still recomputes (e.g. re-gathers parameters) in the backward pass, their
+bodies reading their operands pinned as planned (`evaluate_eqns`).
 """
 
 from __future__ import annotations
@@ -217,8 +218,15 @@ def constrain(value: Any, sharding: NamedSharding | None) -> Any:
     return jax.lax.with_sharding_constraint(value, sharding)
 
 
-def evaluate_eqn(path: str, eqn: JaxprEqn, invals: Sequence[Any], rules: ShardingRules) -> list:
-    """Evaluate one eqn (node id `path`) with the plan's rules applied."""
+def evaluate_eqn(
+    path: str,
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    rules: ShardingRules,
+    operand_shardings: Sequence[NamedSharding | None] | None = None,
+) -> list:
+    """Evaluate one eqn (node id `path`) with the plan's rules applied; a checkpoint's body
+    reads its operands pinned to `operand_shardings` (None: as they come)."""
     resharded = rules.node_inputs.get(path)
     if resharded:
         invals = [constrain(x, s) for x, s in zip(invals, resharded, strict=True)]
@@ -226,9 +234,13 @@ def evaluate_eqn(path: str, eqn: JaxprEqn, invals: Sequence[Any], rules: Shardin
         outs = [constrain(invals[0], rules.param_use.get(eqn.params["index"]))]
     elif is_checkpoint(eqn):
         body = eqn.params["jaxpr"]
-        outs = bind_checkpoint(
-            lambda *a: evaluate_jaxpr(body, (), a, rules, f"{path}/"), invals, eqn.params
-        )
+        pins = operand_shardings or [None] * len(invals)
+
+        def run_body(*args: Any) -> list[Any]:
+            pinned = [constrain(x, s) for x, s in zip(args, pins, strict=True)]
+            return evaluate_jaxpr(body, (), pinned, rules, f"{path}/")
+
+        outs = bind_checkpoint(run_body, invals, eqn.params)
     elif (body := inlined_body(eqn)) is not None:
         outs = evaluate_jaxpr(body[0], body[1], invals, rules, f"{path}/")
     elif any(isinstance(x, Unreduced) for x in invals):
@@ -259,10 +271,23 @@ def free_vars(eqns: Iterable[tuple[str, JaxprEqn]]) -> list[Var]:
 def evaluate_eqns(
     eqns: Iterable[tuple[str, JaxprEqn]], env: dict[Any, Any], rules: ShardingRules
 ) -> None:
-    """Evaluate (path, eqn) pairs in order, reading and writing variables in `env`."""
+    """Evaluate (path, eqn) pairs in order, reading and writing variables in `env`.
+
+    A checkpoint's body reads the operands made here pinned as the plan pins them: a reshard
+    inside the body otherwise propagates onto the operand, and XLA hands the resharded copy to
+    the operand's other readers there and partitions them to match (a weight gradient computed
+    on a batch-split image and all-reduced, where the plan computes it whole)."""
+    pinned: dict[Var, NamedSharding] = {}
     for path, eqn in eqns:
-        outs = evaluate_eqn(path, eqn, [read(env, v) for v in eqn.invars], rules)
+        operand_shardings = None
+        if is_checkpoint(eqn):
+            operand_shardings = [pinned.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+        invals = [read(env, v) for v in eqn.invars]
+        outs = evaluate_eqn(path, eqn, invals, rules, operand_shardings)
         env.update(zip(eqn.outvars, outs, strict=True))
+        specs = rules.node_outputs.get(path, ())
+        if len(specs) == len(eqn.outvars):
+            pinned.update((v, s) for v, s in zip(eqn.outvars, specs, strict=True) if s)
 
 
 def evaluate_jaxpr(
