@@ -480,13 +480,10 @@ def test_cpu_schedule_runs_weight_gradients_after_the_backward_pass(monkeypatch)
         assert sum(step[n] < last_input_grad for n in weight_grads) == early, dfs
 
 
-def test_cpu_memory_follows_xla_schedule_on_a_wide_resnet(monkeypatch):
-    """The suite's reduced Wide-ResNet (64 images of 64x64) planned for 8 V100s with XLA:CPU's
-    memory rules: XLA keeps each layer's input and output gradient live until its weight
-    gradient runs, after the whole backward pass. In `cpu_schedule` order the predicted peak is
-    within 15% of XLA's memory analysis; in program order it was under 0.85 of it."""
+def _reduced_wide_resnet(spec: autopar.ClusterSpec):
+    """(train step, state, batch, its ShardParallel executable planned for `spec`) of the
+    suite's reduced Wide-ResNet: 64 images of 64x64, three stages of one block."""
     from autopar.models import wresnet
-    from autopar.planner import memory
 
     config = wresnet.WResNetConfig(
         image_size=64, channels=64, stage_sizes=(1, 1, 1), num_classes=100
@@ -494,14 +491,25 @@ def test_cpu_memory_follows_xla_schedule_on_a_wide_resnet(monkeypatch):
     state = wresnet.create_train_state(config, batch_size=64)
     batch = wresnet.make_batch(config, 64)
     step = wresnet.make_train_step(autopar.value_and_grad)
-    v100 = autopar.ClusterSpec.preset("8xV100-p3")
-    spec = dataclasses.replace(v100, platform="cpu", dfs_schedule=True)
-    method = autopar.ShardParallel()
     autopar.init("local", cluster_spec=spec)
     try:
-        executable = autopar.parallelize(step, method=method).get_executable(state, batch)
+        executable = autopar.parallelize(step).get_executable(state, batch)
     finally:
         autopar.shutdown()
+    return step, state, batch, executable
+
+
+def test_cpu_memory_follows_xla_schedule_on_a_wide_resnet(monkeypatch):
+    """The suite's reduced Wide-ResNet (64 images of 64x64) planned for 8 V100s with XLA:CPU's
+    memory rules: XLA keeps each layer's input and output gradient live until its weight
+    gradient runs, after the whole backward pass. In `cpu_schedule` order the predicted peak is
+    within 15% of XLA's memory analysis; in program order it was under 0.85 of it."""
+    from autopar.planner import memory
+
+    v100 = autopar.ClusterSpec.preset("8xV100-p3")
+    spec = dataclasses.replace(v100, platform="cpu", dfs_schedule=True)
+    step, state, batch, executable = _reduced_wide_resnet(spec)
+    method = autopar.ShardParallel()
     xla_peak = executable.memory_stats().peak_bytes
     assert 0.85 <= executable.plan.predicted.memory_per_device_bytes / xla_peak <= 1.15
     monkeypatch.setattr(memory, "cpu_schedule", lambda grouping, nodes, fused, updates: nodes)
@@ -517,20 +525,8 @@ def test_checkpointed_readers_of_a_resharded_value_keep_their_planned_layout():
     images whole. The body's operands are pinned as planned, so XLA does not hand those the
     batch-split copy and all-reduce them: the HLO's collective bytes are the predicted ones
     (0.84 of the HLO's before)."""
-    from autopar.models import wresnet
-
-    config = wresnet.WResNetConfig(
-        image_size=64, channels=64, stage_sizes=(1, 1, 1), num_classes=100
-    )
-    state = wresnet.create_train_state(config, batch_size=64)
-    batch = wresnet.make_batch(config, 64)
-    step = wresnet.make_train_step(autopar.value_and_grad)
     h100 = autopar.ClusterSpec.preset("8xH100-80G")
-    autopar.init("local", cluster_spec=dataclasses.replace(h100, platform="cpu"))
-    try:
-        executable = autopar.parallelize(step).get_executable(state, batch)
-    finally:
-        autopar.shutdown()
+    *_, executable = _reduced_wide_resnet(dataclasses.replace(h100, platform="cpu"))
     collectives = executable.collectives()
     assert collectives["all-reduce"] and not collectives["all-gather"]
     hlo_bytes = sum(sum(sizes) for sizes in collectives.values())
