@@ -175,12 +175,8 @@ class _Step:
     @classmethod
     def of(cls, program: Program, cluster: ClusterSpec, n: int) -> _Step:
         grouping = group_graph(program.graph)
-        live = liveness(
-            grouping,
-            program.signature,
-            cpu=cluster.platform == "cpu",
-            dfs=cluster.platform == "cpu" and cluster.dfs_schedule,
-        )
+        cpu, dfs = cluster.platform == "cpu", cluster.dfs_schedule
+        live = liveness(grouping, program.signature, cpu=cpu, dfs=dfs)
         mesh = logical_mesh(cluster, (n,), ("batch",))
         batch = batch_dims(grouping, program.signature.batch_inputs, mesh, 0)
         return cls(grouping, live, batch, gradient_part(program.graph))

@@ -262,12 +262,8 @@ class ProgramAnalysis:
             for group in grouping.groups:
                 group.cls = group.index
             num_classes = len(grouping.groups)
-        live = liveness(
-            grouping,
-            program.signature,
-            cpu=cluster.platform == "cpu",
-            dfs=cluster.platform == "cpu" and cluster.dfs_schedule,
-        )
+        cpu, dfs = cluster.platform == "cpu", cluster.dfs_schedule
+        live = liveness(grouping, program.signature, cpu=cpu, dfs=dfs)
         return cls(
             program,
             cluster,

@@ -32,7 +32,7 @@ from autopar.planner.graph import OpNode, TensorInfo, nodes_by_primitive
 from autopar.planner.groups import Grouping, Value, input_value
 from autopar.planner.markers import GRAD_BOUNDARY, PARAM_USE
 from autopar.planner.plan import Spec
-from autopar.planner.primitives import PRIMITIVES, names_where
+from autopar.planner.primitives import NO_KERNEL, names_where
 from autopar.planner.program import StepSignature
 from autopar.planner.strategy import spec_axes, split_size, without_axes
 
@@ -123,8 +123,9 @@ def cpu_schedule(
     total_bytes: dict[str, int] = {}
     defined = 0
     for n in nodes:
-        is_kernel = PRIMITIVES[n.primitive].kernel if n.primitive in PRIMITIVES else True
-        is_kernel = is_kernel and any((n.id, o) not in fused for o in range(len(n.out_avals)))
+        is_kernel = n.primitive not in NO_KERNEL and any(
+            (n.id, o) not in fused for o in range(len(n.out_avals))
+        )
         own = sum(a.nbytes for a in n.out_avals) if is_kernel else 0
         defined += own
         extra = max(len(users[n.id]) - 1, 0) if is_kernel else 0
@@ -236,7 +237,8 @@ def liveness(
     grouping: Grouping, signature: StepSignature, *, cpu: bool = False, dfs: bool = False
 ) -> Liveness:
     """Live ranges of the materialized temporary buffers of the step, in `schedule` order
-    (`dfs`: in `cpu_schedule` order); `cpu`: with the buffers XLA:CPU adds (`_cpu_buffers`).
+    (`cpu` and `dfs`: in `cpu_schedule` order); `cpu`: with the buffers XLA:CPU adds
+    (`_cpu_buffers`).
 
     A fused op runs inside the fusion of its reader, so its operands live until that reader runs.
     """
@@ -252,7 +254,7 @@ def liveness(
         if i is not None and i in signature.donated_inputs
     }
     fused = _fused_values(grouping, nodes, buffer, readers, output_set)
-    if dfs:
+    if cpu and dfs:
         nodes = cpu_schedule(grouping, nodes, fused, updates)
     step_of = {n.id: t for t, n in enumerate(nodes)}
     run_step: dict[str, int] = {}  # when a node's result is computed: fused ops in their reader

@@ -150,3 +150,6 @@ PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(_table())
 def names_where(fact: str) -> frozenset[str]:
     """The primitives for which the boolean `fact` of their record holds."""
     return frozenset(name for name, info in PRIMITIVES.items() if getattr(info, fact))
+
+
+NO_KERNEL = frozenset(PRIMITIVES) - names_where("kernel")  # markers, relabels: launch nothing

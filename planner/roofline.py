@@ -62,11 +62,10 @@ from autopar.planner.dot_layout import LayoutCopy, layout_copies, swaps_free_dim
 from autopar.planner.graph import OpNode, ValueKind
 from autopar.planner.groups import Grouping, Value
 from autopar.planner.memory import value_aval
-from autopar.planner.primitives import PRIMITIVES, FlopRule, names_where
+from autopar.planner.primitives import NO_KERNEL, PRIMITIVES, FlopRule, names_where
 
-# What the roofline reads off `primitives.PRIMITIVES`: ops that launch nothing (markers,
-# relabels), contractions (their own peak), XLA's transcendental class.
-_NO_KERNEL = frozenset(n for n, info in PRIMITIVES.items() if not info.kernel)
+# What the roofline reads off `primitives.PRIMITIVES` besides `NO_KERNEL`: contractions (their
+# own peak), XLA's transcendental class.
 _CONTRACTIONS = frozenset(
     n
     for n, info in PRIMITIVES.items()
@@ -170,7 +169,7 @@ class Roofline:
         """(operands read from memory, outputs written to memory, launches a kernel)."""
         found = self._traffic.get(node.id)
         if found is None:
-            if node.primitive in _NO_KERNEL:
+            if node.primitive in NO_KERNEL:
                 found = ((False,) * len(node.inputs), (False,) * len(node.out_avals), False)
             else:
                 reads = tuple(
