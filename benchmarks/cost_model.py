@@ -341,12 +341,26 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         f"| transcendentals (exp) | {spec.transcendental_rate / 1e9:.2f} Gelement/s |",
         f"| convolution (3x3, 64 channels) | {spec.conv_flops / 1e9:.1f} GFLOP/s |",
         f"| transpose moving the minor dimension | {spec.transpose_bandwidth / 1e9:.2f} GB/s |",
-        f"| weight-gradient matmul (x^T·y, fp32) | {spec.transposed_matmul_flops / 1e9:.1f} "
-        "GFLOP/s |",
+        f"| weight-gradient matmul (x^T·y, fp32, 256 columns) | "
+        f"{spec.transposed_matmul_flops / 1e9:.1f} GFLOP/s |",
+        "| weight-gradient matmul (64 columns) | "
+        + (
+            "not measured"
+            if spec.narrow_transposed_matmul_flops is None
+            else f"{spec.narrow_transposed_matmul_flops / 1e9:.1f} GFLOP/s"
+        )
+        + " |",
         f"| max pool (3x3, 64 channels) | {spec.window_reduction_rate / 1e9:.2f} Gwindow "
         "element/s |",
-        f"| max pool gradient (3x3, stride 2) | {spec.select_and_scatter_rate / 1e6:.1f} "
+        f"| max pool gradient (3x3, stride 2, 4 MiB) | {spec.select_and_scatter_rate / 1e6:.1f} "
         "Mwindow/s |",
+        "| max pool gradient (512 KiB, in cache) | "
+        + (
+            "not measured"
+            if spec.cached_select_and_scatter_rate is None
+            else f"{spec.cached_select_and_scatter_rate / 1e6:.1f} Mwindow/s"
+        )
+        + " |",
         f"| first writes to fresh memory (from {spec.fresh_memory_threshold / 2**20:.0f} MiB) | "
         + (
             "free (pooled)"

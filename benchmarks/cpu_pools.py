@@ -1,6 +1,6 @@
 """What max pools and their gradients cost on XLA:CPU: the evidence behind
-`ClusterSpec.window_reduction_rate` and `select_and_scatter_rate` (issue 20), on ONE real CPU
-device.
+`ClusterSpec.window_reduction_rate`, `select_and_scatter_rate` and
+`cached_select_and_scatter_rate` (issue 20), on ONE real CPU device.
 
 XLA:CPU runs a reduce-window as a scalar loop over each output's window, and expands max
 pooling's gradient (`select_and_scatter_add`) into an int32 iota of the operand's shape per
@@ -10,7 +10,8 @@ stride 1 and 2, on operands from 0.5 to 6 MiB, each the least over `ROUNDS` roun
 `CALLS` back-to-back calls of one jitted step x -> x + pool'(x) (the gradient, added to x so
 that a step keeps x's shape and its values spread) or, at stride 1, x -> pool(x); and prints
 the time per window element (a pool) and per window (a gradient: one per element of the
-pooled result), with what `autopar.profile_cluster()` measures and what the roofline prices:
+pooled result), with what `autopar.profile_cluster()` measures and what the roofline prices
+for each gradient (`ClusterSpec.select_and_scatter_rate_at` its operand's bytes):
 
     python benchmarks/cpu_pools.py
 
@@ -19,6 +20,7 @@ Writes benchmarks/results/cpu_pools.{json,md}.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -96,6 +98,7 @@ def _row(window: int, stride: int, padding, shape) -> dict:
 def main() -> None:
     if len(jax.devices()) != 1:
         raise SystemExit("run with ONE device (unset XLA_FLAGS device counts)")
+    from autopar.planner.cluster import ClusterSpec
     from autopar.runtime.microbench import (
         ProfileSizes,
         measure_select_and_scatter,
@@ -117,7 +120,14 @@ def main() -> None:
     profile = {
         "window_reduction_rate": measure_window_reduction(one, ProfileSizes()).rate,
         "select_and_scatter_rate": measure_select_and_scatter(one, ProfileSizes()).rate,
+        "cached_select_and_scatter_rate": measure_select_and_scatter(
+            one, ProfileSizes(), cached=True
+        ).rate,
     }
+    spec = dataclasses.replace(ClusterSpec.local(1), **profile)
+    for r in rows:
+        rate = spec.select_and_scatter_rate_at(r["operand_mib"] * 2**20)
+        r["priced_ns_per_window"] = 1e9 / rate
     device = jax.devices()[0].device_kind
     data = {
         "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
@@ -133,19 +143,22 @@ def main() -> None:
         f"of {CALLS} chained calls of each jitted step. `profile_cluster()` measured here: max",
         f"pools at {profile['window_reduction_rate'] / 1e9:.2f} G window elements/s "
         f"({1e9 / profile['window_reduction_rate']:.2f} ns each), their gradients at "
-        f"{profile['select_and_scatter_rate'] / 1e6:.1f} M windows/s "
-        f"({1e9 / profile['select_and_scatter_rate']:.1f} ns each), which the roofline prices.",
+        f"{profile['select_and_scatter_rate'] / 1e6:.1f} M windows/s over 4 MiB "
+        f"({1e9 / profile['select_and_scatter_rate']:.1f} ns each) and "
+        f"{profile['cached_select_and_scatter_rate'] / 1e6:.1f} M windows/s over 512 KiB "
+        f"({1e9 / profile['cached_select_and_scatter_rate']:.1f} ns each); the roofline prices",
+        "a gradient between the two in log bytes (the `priced` column).",
         "",
         "| window | stride | operand | MiB | windows | gradient ms | ns / window | "
-        "pool ns / window element |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "priced ns / window | pool ns / window element |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         pool = f"{r['pool_ns_per_window_element']:.2f}" if "pool_ms" in r else "–"
         lines.append(
             f"| {r['window']} | {r['stride']} | {r['shape']} | {r['operand_mib']:.1f} | "
             f"{r['windows']} | {r['gradient_ms']:.2f} | {r['gradient_ns_per_window']:.1f} | "
-            f"{pool} |"
+            f"{r['priced_ns_per_window']:.1f} | {pool} |"
         )
     (RESULTS / "cpu_pools.md").write_text("\n".join(lines) + "\n")
 

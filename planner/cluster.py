@@ -12,7 +12,10 @@ the efficiencies do not scale): element-wise transcendentals (`exp`, `tanh`, ...
 `transcendental_rate` elements/s, convolutions at `conv_flops`, transposes that move the minor
 (contiguous) dimension at `transpose_bandwidth`, matmuls whose lhs contracts a dimension other
 than its minor one (a weight gradient x^T·dy, which XLA:CPU runs outside its fast matmul kernels)
-at `transposed_matmul_flops`, and pools and their gradients (below). A small matmul does not
+at `transposed_matmul_rate` of its result's columns (XLA:CPU packs its transposed lhs first, a
+cost that a narrow result amortizes over fewer FLOPs: a 64-column one runs at about half the
+rate of a 256-column one; `transposed_matmul_flops` and `narrow_transposed_matmul_flops` are the
+two), and pools and their gradients (below). A small matmul does not
 reach the peak (it leaves cores or tensor-core units idle and pays set-up that a large one
 amortizes): `matmul_efficiency` holds
 measured (FLOPs, fraction of the peak) points, and a contraction of F FLOPs per device runs at
@@ -59,11 +62,12 @@ element by element: a 3x3 max pool of stride 2 over 4 MiB took 0.6 ms on a 2-cor
 per window element and 8x its bytes' time. Max pooling's gradient (`select_and_scatter_add`) it
 expands into an int32 iota of the operand's shape per dimension, a reduce-window over the
 operand and those iotas that picks each window's maximum and its index, and a scatter of the
-gradient there: 60 ns a window on that host, a hundred times its bytes' time (22 ns where the
-operand fits in 1 MiB; the profile measures beyond the caches, as training-size activations
-are). `window_reduction_rate` (window elements/s) and `select_and_scatter_rate` (windows/s)
-price them where a spec gives them; None (the presets: no GPU was measured on them): priced by
-their bytes.
+gradient there: 60 ns a window on that host over 4 MiB, a hundred times its bytes' time, and
+22-30 ns where the operand fits in 1 MiB. `window_reduction_rate` (window elements/s) and
+`select_and_scatter_rate` (windows/s, beyond the caches) price them where a spec gives them,
+and `cached_select_and_scatter_rate` a gradient over an operand the caches hold
+(`select_and_scatter_rate_at` reads between the two sizes); None (the presets: no GPU was
+measured on them): priced by their bytes.
 
 Peak memory follows the order XLA runs a step in (`autopar.planner.memory`). XLA:CPU's DFS memory
 scheduler, which `autopar.simulate_cpu_devices` selects, runs every weight gradient but the
@@ -113,14 +117,23 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "conv_flops",
     "transpose_bandwidth",
     "transposed_matmul_flops",
+    "narrow_transposed_matmul_flops",
     "fresh_memory_rate",
     "column_reduction_rate",
     "column_reduction_array_rate",
     "window_reduction_rate",
     "select_and_scatter_rate",
+    "cached_select_and_scatter_rate",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
+# The result widths (columns per device) at which `autopar.profile_cluster()` times a weight
+# gradient: `narrow_transposed_matmul_flops` at the first, `transposed_matmul_flops` at the second.
+TRANSPOSED_MATMUL_COLUMNS = (64, 256)
+# The operand bytes per device at which it times max pooling's gradient:
+# `cached_select_and_scatter_rate` at the first (one core's L2 cache holds it),
+# `select_and_scatter_rate` at the second (beyond the caches, as training-size activations are).
+SELECT_AND_SCATTER_BYTES = (512 * 2**10, 4 * 2**20)
 # False selects XLA:CPU's DFS memory scheduler over its breadth-first default
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
@@ -141,6 +154,17 @@ def _dtype_name(dtype: Any) -> str:
     """A dtype's name; cached, as numpy computes it anew on every access and the cost model
     asks for it once per op and strategy."""
     return getattr(dtype, "name", str(dtype))
+
+
+def log_interpolated(x: float, low: tuple[float, float], high: tuple[float, float]) -> float:
+    """y at `x` on the line through points `low` and `high` (x increasing) in log x; `low`'s y
+    at or below it, `high`'s at or above: how a measured rate is read between two sizes."""
+    (x0, y0), (x1, y1) = low, high
+    if x <= x0:
+        return y0
+    if x >= x1:
+        return y1
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
 
 
 def _checked_curve(curve: Any) -> tuple[tuple[float, float], ...]:
@@ -181,6 +205,8 @@ class ClusterSpec:
     conv_flops: float | None = None  # FLOP/s of a convolution; None: the matmul peak
     transpose_bandwidth: float | None = None  # bytes/s moving the minor dim; None: folded, free
     transposed_matmul_flops: float | None = None  # lhs contracting its major dim; None: peak
+    # FLOP/s of such a matmul whose result is 64 columns wide; None: transposed_matmul_flops
+    narrow_transposed_matmul_flops: float | None = None
     fresh_memory_rate: float | None = None  # bytes/s of first writes to fresh pages; None: free
     column_reduction_rate: float | None = None  # rows/s a column reduction walks; None: free
     # rows/s per array of its operand's size a column reduction with fused element-wise outputs
@@ -189,6 +215,8 @@ class ClusterSpec:
     window_reduction_rate: float | None = None  # window elements/s of a pool; None: by bytes
     # windows/s of max pooling's gradient (`select_and_scatter_add`); None: priced by its bytes
     select_and_scatter_rate: float | None = None
+    # the same over an operand the caches hold; None: select_and_scatter_rate at every size
+    cached_select_and_scatter_rate: float | None = None
     fresh_memory_threshold: float = GLIBC_MMAP_THRESHOLD  # bytes: allocations mapped afresh
     launch_overhead_s: float = 0.0  # host time to launch one program and collect its results
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
@@ -272,12 +300,43 @@ class ClusterSpec:
         curve = self.matmul_efficiency
         if not curve:
             return 1.0
-        if flops <= curve[0][0]:
-            return curve[0][1]
-        for (f0, e0), (f1, e1) in itertools.pairwise(curve):
-            if flops <= f1:
-                return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
+        for low, high in itertools.pairwise(curve):
+            if flops <= high[0]:
+                return log_interpolated(flops, low, high)
         return curve[-1][1]
+
+    def transposed_matmul_rate(self, columns: float) -> float | None:
+        """FLOP/s of a matmul whose lhs contracts its major dim (a weight gradient x^T·dy) with
+        a result `columns` wide per device; None: not priced. XLA:CPU's Eigen kernel first packs
+        the transposed lhs (rows x contraction), a cost its result's columns do not share, so a
+        narrow result runs slower: time = lhs elements / packing rate + FLOPs / R, and the rate
+        is R·N / (N + N½) for N columns. The two measured widths (`TRANSPOSED_MATMUL_COLUMNS`)
+        fix R and N½: on a 2-core host, 160 GFLOP/s at 64 columns and 285 at 256 give R = 385
+        and N½ = 90, which reads 226 at 128 columns (245 measured), 101 at 32 (77), 327 at 512
+        (318-334). Where the narrow rate is not measured, or the two do not fit that law (the
+        narrow one faster, or under a quarter of the wide one), every width runs at the wide
+        rate."""
+        narrow, wide = self.narrow_transposed_matmul_flops, self.transposed_matmul_flops
+        if wide is None or narrow is None:
+            return wide
+        low, high = TRANSPOSED_MATMUL_COLUMNS
+        # seconds per FLOP = 1 / R + (N½ / R) / N, through the two measured points
+        per_column = (1 / narrow - 1 / wide) / (1 / low - 1 / high)
+        per_flop = 1 / wide - per_column / high
+        if per_column <= 0 or per_flop <= 0:
+            return wide
+        return 1 / (per_flop + per_column / columns)
+
+    def select_and_scatter_rate_at(self, operand_bytes: float) -> float | None:
+        """Windows/s of max pooling's gradient over `operand_bytes` per device: faster where the
+        caches hold the operand it scatters into (a 2-core host: 22-30 ns a window up to 1 MiB,
+        35-70 ns from 4 MiB). Linear in log bytes between the two measured sizes
+        (`SELECT_AND_SCATTER_BYTES`), the nearest one's outside them; None: not priced."""
+        cached, large = self.cached_select_and_scatter_rate, self.select_and_scatter_rate
+        if large is None or cached is None:
+            return large
+        low, high = SELECT_AND_SCATTER_BYTES
+        return log_interpolated(operand_bytes, (low, cached), (high, large))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; `ClusterSpec.from_dict` reads it back unchanged."""

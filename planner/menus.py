@@ -36,7 +36,7 @@ from autopar.planner.groups import Group, Grouping, Value, input_value
 from autopar.planner.leader_rules import source_strategies
 from autopar.planner.memory import value_aval
 from autopar.planner.plan import Spec
-from autopar.planner.roofline import Roofline
+from autopar.planner.roofline import Roofline, result_columns
 from autopar.planner.sharding_rules import FOLLOW_RULES, LEADER_RULES
 from autopar.planner.strategy import (
     Strategy,
@@ -469,7 +469,11 @@ class MenuBuilder:
             self.spec_bytes(a.shape, a.dtype.itemsize, spec)
             for spec, a in zip(s.out_specs, node.out_avals, strict=True)
         ]
-        seconds = self.roofline.seconds(node, node.flops / tiles, in_bytes, out_bytes)
+        columns = None
+        if node.primitive == "dot_general":
+            splits = [split_size(self.mesh, e) if e else 1 for e in s.out_specs[0]]
+            columns = result_columns(node, splits)
+        seconds = self.roofline.seconds(node, node.flops / tiles, in_bytes, out_bytes, columns)
         costs.compute[where] += weight * seconds
         if s.partial_axes and own_sum:
             out = node.out_avals[0]

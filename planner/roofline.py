@@ -25,8 +25,10 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   operands are copied into plain matrices where they are not laid out as one
   (`planner.dot_layout`): each copy is a kernel, priced like a transpose;
 * a matmul whose lhs contracts a dimension other than its minor one (a weight gradient x^T·dy)
-  runs at `transposed_matmul_flops`: XLA:CPU leaves it to Eigen, at a fraction of its matmul
-  kernels' rate;
+  runs at `ClusterSpec.transposed_matmul_rate` of its result's columns per device
+  (`result_columns`): XLA:CPU leaves it to Eigen, at a fraction of its matmul kernels' rate,
+  which packs the transposed lhs first (a narrow result runs slower: 64 columns at about half
+  the rate of 256);
 * a column reduction (one that keeps the minor dimension: a bias or layer-norm gradient, batch
   norm statistics) on a GPU walks its rows in a loop per thread block, at
   `column_reduction_rate` rows/s whatever its width, where that is slower than its bytes, and
@@ -36,13 +38,13 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
 * a pool (a reduce-window) visits each output's window element by element on a CPU, at
   `window_reduction_rate` window elements/s, and max pooling's gradient, which XLA:CPU expands
   into int32 iotas, a selecting reduce-window and a scatter, takes each window at
-  `select_and_scatter_rate` (`Roofline.window_s`).
+  `ClusterSpec.select_and_scatter_rate_at` its operand's bytes (`Roofline.window_s`).
 
 A contraction runs at its peak times `ClusterSpec.matmul_fraction` of its FLOPs per device: a
 small matmul leaves cores or tensor-core units idle and pays set-up that a large one amortizes
 (XLA:CPU runs a 128x64x64 matmul on one of two cores, at under half the peak; an H200 takes
 3 µs for a 256x128x128 one, 1% of its peak). A weight gradient runs at the slower of that and
-`transposed_matmul_flops`, the rate of a large one. On a GPU, element-wise loops over one
+its transposed-matmul rate, that of a large one of its width. On a GPU, element-wise loops over one
 shape that read a common operand, or where one reads what another writes, are one
 multi-output kernel (`Roofline.kernel_leader`).
 
@@ -134,19 +136,39 @@ def _transposed_lhs(node: OpNode) -> bool:
     return any(d != len(node.in_avals[0].shape) - 1 for d in lhs_contracting)
 
 
-def node_peak(node: OpNode, flops: float, cluster: ClusterSpec, lhs_copied: bool = False) -> float:
+def result_columns(node: OpNode, splits: Sequence[int] | None = None) -> float:
+    """The columns of a dot_general's result (its rhs's free dims, the last of the result: the
+    N of the matmul XLA runs), per device where `splits` gives how many ways each dim of the
+    result is split."""
+    shape = node.out_avals[0].shape
+    (_, rhs_contracting), (_, rhs_batch) = node.params["dimension_numbers"]
+    free = len(node.in_avals[1].shape) - len(rhs_contracting) - len(rhs_batch)
+    dims = range(len(shape) - free, len(shape))
+    return math.prod(shape[d] / (splits[d] if splits else 1) for d in dims)
+
+
+def node_peak(
+    node: OpNode,
+    flops: float,
+    cluster: ClusterSpec,
+    lhs_copied: bool = False,
+    columns: float | None = None,
+) -> float:
     """The FLOP/s peak `node` runs at doing `flops` per device: its operands' dtype for a
     contraction (TF32 for fp32 at default precision) times the share a matmul of its size
     reaches, its output's otherwise. A dot whose lhs is copied into a plain matrix first
-    (`planner.dot_layout`) does not read it transposed."""
+    (`planner.dot_layout`) does not read it transposed; one that reads it transposed runs at
+    the rate of its result's `columns` per device (`result_columns`; the whole result's where
+    None)."""
     if node.primitive in _CONTRACTIONS:
         peak = cluster.peak_flops(node.in_avals[0].dtype, True, _highest_precision(node))
         peak *= cluster.matmul_fraction(flops)
         if node.primitive == "conv_general_dilated" and cluster.conv_flops is not None:
             return min(peak, cluster.conv_flops / cluster.compute_efficiency)  # an achieved rate
-        transposed = _transposed_lhs(node) and not lhs_copied
-        if cluster.transposed_matmul_flops is not None and transposed:
-            return min(peak, cluster.transposed_matmul_flops / cluster.compute_efficiency)
+        if _transposed_lhs(node) and not lhs_copied:
+            rate = cluster.transposed_matmul_rate(columns or result_columns(node))
+            if rate is not None:
+                return min(peak, rate / cluster.compute_efficiency)
         return peak
     avals = node.out_avals or node.in_avals
     return cluster.peak_flops(avals[0].dtype) if avals else cluster.device_flops  # no FLOPs
@@ -350,16 +372,18 @@ class Roofline:
         flops: float,
         in_bytes: Sequence[float | None],
         out_bytes: Sequence[float],
+        columns: float | None = None,
     ) -> float:
         """Seconds of `node` doing `flops` per device, with operands and outputs of the given
-        per-device sizes (None for a literal operand)."""
+        per-device sizes (None for a literal operand) and, for a dot_general, its result's
+        columns per device (`result_columns`; the whole result's where None)."""
         if self.strided_transpose(node):
             return 2 * sum(out_bytes) / self.cluster.transpose_bandwidth
         reads, writes, launches = self.traffic(node)
         nbytes = sum(b for b, r in zip(in_bytes, reads, strict=True) if r and b is not None)
         nbytes += sum(b for b, w in zip(out_bytes, writes, strict=True) if w)
         copies, lhs_copied = self.layout_copies(node)
-        peak = node_peak(node, flops, self.cluster, lhs_copied)
+        peak = node_peak(node, flops, self.cluster, lhs_copied, columns)
         seconds = op_time(flops, nbytes, peak, self.cluster)
         if node.primitive in _TRANSCENDENTAL and self.cluster.transcendental_rate is not None:
             # flops counts one per element (`planner.graph.elementwise_flops`)
@@ -412,10 +436,11 @@ class Roofline:
         """Seconds beyond its kernel floor that `node`, with operands and outputs of the given
         per-device sizes, takes to visit its windows where it is a pool (each output's window
         elements at `ClusterSpec.window_reduction_rate`) or max pooling's gradient (each
-        window, one per element of its source, at `select_and_scatter_rate`) and the spec
-        prices those; 0 otherwise."""
+        window, one per element of its source, at `ClusterSpec.select_and_scatter_rate_at`
+        the bytes of its result, the pooled operand's shape) and the spec prices those; 0
+        otherwise."""
         if node.primitive == "select_and_scatter_add":
-            rate = self.cluster.select_and_scatter_rate
+            rate = self.cluster.select_and_scatter_rate_at(out_bytes[0])
             windows = (in_bytes[0] or 0.0) / np.dtype(node.in_avals[0].dtype).itemsize
         elif node.primitive in _WINDOW_REDUCTIONS:
             rate = self.cluster.window_reduction_rate

@@ -19,8 +19,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   roofline prices on their own (`autopar.planner.roofline`): `exp` over a streaming buffer
   (elements/s), a 3x3 convolution (FLOP/s; its batch grows until a run takes long enough),
   transposes of 1 MiB planes (bytes/s);
-- `transposed_matmul_flops`: a float32 weight gradient x^T·y (its lhs contracts its major
-  dimension; its rows grow as the convolution's batch does), FLOP/s;
+- `transposed_matmul_flops`, `narrow_transposed_matmul_flops`: a float32 weight gradient x^T·y
+  (its lhs contracts its major dimension; its rows grow as the convolution's batch does) with a
+  result 256 and 64 columns wide, FLOP/s;
 - `column_reduction_rate`: on a GPU, rows per second a column reduction walks (a bias
   gradient's mean over 4096 rows, beyond its kernels' floors); None on a CPU, whose column
   reductions stream;
@@ -30,6 +31,7 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
 - `window_reduction_rate`, `select_and_scatter_rate`: a 3x3 max pool (stride 1, so a step keeps
   its shape) over 4 MiB of 32x32 images of 64 channels per device, window elements per second,
   and the gradient of one of stride 2 (`select_and_scatter_add`), windows per second;
+  `cached_select_and_scatter_rate` that gradient over 512 KiB of images, which the caches hold;
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -64,6 +66,7 @@ import numpy as np
 from autopar.planner.cluster import (
     GLIBC_MMAP_THRESHOLD,
     PLATFORMS,
+    TRANSPOSED_MATMUL_COLUMNS,
     ClusterSpec,
     xla_cpu_dfs_scheduler,
 )
@@ -210,9 +213,10 @@ class ClusterProfile:
             f"  op classes (per device): transcendentals {_si(s.transcendental_rate)}element/s, "
             f"convolutions {_si(s.conv_flops)}FLOP/s, minor-dimension transposes "
             f"{_si(s.transpose_bandwidth)}B/s, weight-gradient matmuls "
-            f"{_si(s.transposed_matmul_flops)}FLOP/s, max pools "
-            f"{_si(s.window_reduction_rate)}window element/s, their gradients "
-            f"{_si(s.select_and_scatter_rate)}window/s",
+            f"{_si(s.transposed_matmul_flops)}FLOP/s ({_si(s.narrow_transposed_matmul_flops)}"
+            f"FLOP/s 64 columns wide), max pools {_si(s.window_reduction_rate)}window "
+            f"element/s, their gradients {_si(s.select_and_scatter_rate)}window/s "
+            f"({_si(s.cached_select_and_scatter_rate)}window/s in cache)",
             f"  fresh memory: {_fresh(s)}; column reductions: {_column(s)}",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
@@ -518,12 +522,14 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         ):
             rates.append(measure(local, sizes))
             bar.update()
+        rates.append(measure_transposed_matmul(local, sizes, TRANSPOSED_MATMUL_COLUMNS[0]))
         rates.append(measure_fresh_memory(local, sizes, GLIBC_MMAP_THRESHOLD))
         rates.append(measure_column_reduction(local, sizes, kernel.per_kernel_s))
         rates.append(measure_column_reduction_arrays(local, sizes, kernel.per_kernel_s))
         bar.update()
         rates.append(measure_window_reduction(local, sizes))
         rates.append(measure_select_and_scatter(local, sizes))
+        rates.append(measure_select_and_scatter(local, sizes, cached=True))
         bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.planner.cluster import SELECT_AND_SCATTER_BYTES, TRANSPOSED_MATMUL_COLUMNS
 from autopar.planner.cost import Collective
 from autopar.planner.errors import InvalidArgumentError
 
@@ -48,8 +49,8 @@ _TINY = 8  # side of the matmuls that measure the kernel floor
 _CONV_SIDE, _CONV_CHANNELS = 32, 64
 _TRANSPOSE_SIDE = 512
 # A weight gradient's matmul: (4096, 256)^T · (4096, 256), as a layer's input and output
-# gradient over a batch of tokens give it.
-_GRAD_ROWS, _GRAD_SIDE = 4096, 256
+# gradient over a batch of tokens give it; a narrow one (64 columns) has 4x the rows.
+_GRAD_ROWS, _GRAD_SIDE = 4096, TRANSPOSED_MATMUL_COLUMNS[1]
 # A bias gradient's column reduction: the most rows XLA:GPU reduces in one kernel
 # (`planner.roofline.COLUMN_REDUCTION_SPLIT`), 64 columns (256 B a row: its bytes are nothing).
 _COLUMN_ROWS, _COLUMN_WIDTH = 4096, 64
@@ -212,6 +213,8 @@ class RateKind(enum.Enum):
     CONVOLUTION = "convolution"  # a float32 3x3 convolution: FLOP/s
     TRANSPOSE = "transpose"  # float32 planes transposed: bytes read + written per second
     TRANSPOSED_MATMUL = "transposed matmul"  # a float32 weight gradient x^T·y: FLOP/s
+    # the same with a result 64 columns wide: FLOP/s
+    NARROW_TRANSPOSED_MATMUL = "narrow transposed matmul"
     FRESH_MEMORY = "fresh memory"  # bytes/s of first writes to freshly mapped pages
     COLUMN_REDUCTION = "column reduction"  # rows/s a GPU's column reduction walks
     # rows/s per full-shape array a GPU's column reduction walks where XLA fuses element-wise
@@ -219,6 +222,8 @@ class RateKind(enum.Enum):
     COLUMN_REDUCTION_ARRAY = "column reduction array"
     WINDOW_REDUCTION = "window reduction"  # a float32 3x3 max pool: window elements per second
     SELECT_AND_SCATTER = "select and scatter"  # a 3x3 max pool's gradient: windows per second
+    # the same over an operand the caches hold: windows per second
+    CACHED_SELECT_AND_SCATTER = "cached select and scatter"
 
     @property
     def spec_field(self) -> str:
@@ -227,11 +232,13 @@ class RateKind(enum.Enum):
             "convolution": "conv_flops",
             "transpose": "transpose_bandwidth",
             "transposed matmul": "transposed_matmul_flops",
+            "narrow transposed matmul": "narrow_transposed_matmul_flops",
             "fresh memory": "fresh_memory_rate",
             "column reduction": "column_reduction_rate",
             "column reduction array": "column_reduction_array_rate",
             "window reduction": "window_reduction_rate",
             "select and scatter": "select_and_scatter_rate",
+            "cached select and scatter": "cached_select_and_scatter_rate",
         }[self.value]
 
 
@@ -515,12 +522,12 @@ def _max_pool(x: jax.Array, strides: tuple[int, ...]) -> jax.Array:
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, _POOL_WINDOW, strides, _POOL_PADDING)
 
 
-def _pool_images(mesh: Mesh, sizes: ProfileSizes) -> tuple[jax.Array, int]:
-    """`_CONV_SIDE`² images of `_CONV_CHANNELS` channels, as many per device as
-    `sizes.stream_bytes` / 16 of input holds (at least one: 4 MiB by default, beyond the
-    caches, as training-size activations are), and that count."""
+def _pool_images(mesh: Mesh, sizes: ProfileSizes, nbytes: int = 0) -> tuple[jax.Array, int]:
+    """`_CONV_SIDE`² images of `_CONV_CHANNELS` channels, as many per device as `nbytes` hold or
+    where 0 `sizes.stream_bytes` / 16 (at least one: 4 MiB by default, beyond the caches, as
+    training-size activations are), and that count."""
     image = _CONV_SIDE * _CONV_SIDE * _CONV_CHANNELS
-    batch = max(1, sizes.stream_bytes // 16 // (4 * image))
+    batch = max(1, (nbytes or sizes.stream_bytes // 16) // (4 * image))
     shape = (len(mesh.devices.flat) * batch, _CONV_SIDE, _CONV_SIDE, _CONV_CHANNELS)
     return _uniform(mesh, shape), batch
 
@@ -536,12 +543,15 @@ def measure_window_reduction(devices: Sequence[jax.Device], sizes: ProfileSizes)
     return RateTiming(RateKind.WINDOW_REDUCTION, windows * math.prod(_POOL_WINDOW), seconds)
 
 
-def measure_select_and_scatter(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
+def measure_select_and_scatter(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, cached: bool = False
+) -> RateTiming:
     """The gradient of a 3x3 max pool of stride 2 over `_pool_images` (`select_and_scatter_add`,
     added to the images so a step keeps their shape and their values spread): windows per
-    second, each the selection of its maximum and the scatter of its gradient there."""
+    second, each the selection of its maximum and the scatter of its gradient there. `cached`:
+    over `SELECT_AND_SCATTER_BYTES[0]` of images per device, which the caches hold."""
     mesh = _local_mesh(devices)
-    x, batch = _pool_images(mesh, sizes)
+    x, batch = _pool_images(mesh, sizes, SELECT_AND_SCATTER_BYTES[0] if cached else 0)
     strides = (1, 2, 2, 1)
     pooled = jax.eval_shape(lambda x: _max_pool(x, strides), x).shape
     grad = _filled(mesh, pooled, jnp.float32, 1.0)
@@ -550,27 +560,34 @@ def measure_select_and_scatter(devices: Sequence[jax.Device], sizes: ProfileSize
         return x + jax.vjp(lambda x: _max_pool(x, strides), x)[1](grad)[0]
 
     seconds = _op_s(_per_device(mesh, 2), step, x, (grad,), sizes)
-    return RateTiming(RateKind.SELECT_AND_SCATTER, batch * math.prod(pooled[1:]), seconds)
+    kind = RateKind.CACHED_SELECT_AND_SCATTER if cached else RateKind.SELECT_AND_SCATTER
+    return RateTiming(kind, batch * math.prod(pooled[1:]), seconds)
 
 
-def measure_transposed_matmul(devices: Sequence[jax.Device], sizes: ProfileSizes) -> RateTiming:
-    """x^T·y of two (`_GRAD_ROWS`, `_GRAD_SIDE`) float32 blocks, then of more rows (`_grown`): a
-    weight gradient, whose lhs contracts its major dimension (XLA:CPU runs it outside its fast
-    matmul kernels): FLOP/s. (On an H200 the first size takes a few µs: a chain of 4 of them
-    against one read 1.2 PFLOP/s, the launch's noise.)"""
+def measure_transposed_matmul(
+    devices: Sequence[jax.Device], sizes: ProfileSizes, columns: int = _GRAD_SIDE
+) -> RateTiming:
+    """x^T·y of two (rows, `columns`) float32 blocks, first of `_GRAD_ROWS` · `_GRAD_SIDE` /
+    `columns` rows (operands of the same bytes at any width), then of more rows (`_grown`): a weight
+    gradient, whose lhs contracts its major dimension (XLA:CPU runs it outside its fast matmul
+    kernels): FLOP/s, of kind `NARROW_TRANSPOSED_MATMUL` for the narrow width of
+    `TRANSPOSED_MATMUL_COLUMNS`. (On an H200 the first size takes a few µs: a chain of 4 of
+    them against one read 1.2 PFLOP/s, the launch's noise.)"""
     mesh, d = _local_mesh(devices), len(devices)
+    narrow = columns == TRANSPOSED_MATMUL_COLUMNS[0]
+    kind = RateKind.NARROW_TRANSPOSED_MATMUL if narrow else RateKind.TRANSPOSED_MATMUL
 
-    def step(x, y):  # the (side, side) gradient written over x's first rows: it stays 0.5
+    def step(x, y):  # the (columns, columns) gradient written over x's first rows: it stays 0.5
         grad = jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())))
         return jax.lax.dynamic_update_slice(x, grad, (0, 0))
 
     def time_at(rows: int) -> RateTiming:
-        x = _filled(mesh, (d * rows, _GRAD_SIDE), jnp.float32, 0.5)
-        y = _filled(mesh, (d * rows, _GRAD_SIDE), jnp.float32, 1.0 / rows)
+        x = _filled(mesh, (d * rows, columns), jnp.float32, 0.5)
+        y = _filled(mesh, (d * rows, columns), jnp.float32, 1.0 / rows)
         seconds = _op_s(_per_device(mesh, 2), step, x, (y,), sizes)
-        return RateTiming(RateKind.TRANSPOSED_MATMUL, 2 * rows * _GRAD_SIDE**2, seconds)
+        return RateTiming(kind, 2 * rows * columns**2, seconds)
 
-    return _grown(time_at, _GRAD_ROWS, sizes)
+    return _grown(time_at, _GRAD_ROWS * _GRAD_SIDE // columns, sizes)
 
 
 def measure_fresh_memory(

@@ -82,8 +82,10 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
     assert 1e7 < spec.conv_flops < 1e14
     assert 1e6 < spec.transpose_bandwidth < 1e13
     assert 1e7 < spec.transposed_matmul_flops < 1e14
+    assert 1e7 < spec.narrow_transposed_matmul_flops < 1e14
     assert 1e6 < spec.window_reduction_rate < 1e13  # window elements/s
     assert 1e3 < spec.select_and_scatter_rate < 1e12  # windows/s
+    assert 1e3 < spec.cached_select_and_scatter_rate < 1e12
     assert spec.fresh_memory_rate is None or 1e6 < spec.fresh_memory_rate < 1e13
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14

@@ -16,7 +16,7 @@ import autopar
 from autopar.models import MLPConfig, abstract_train_inputs, gpt, mlp
 from autopar.planner.cluster import PRESETS, ClusterSpec
 from autopar.planner.plan import Plan
-from autopar.planner.roofline import op_time
+from autopar.planner.roofline import Roofline, op_time
 
 V100 = ClusterSpec.preset("8xV100-p3")
 A100 = ClusterSpec.preset("8xA100-80G")
@@ -30,6 +30,7 @@ _FORMAT_12_FIELDS = ("matmul_efficiency",)
 _FORMAT_13_FIELDS = ("column_reduction_rate",)
 _FORMAT_14_FIELDS = ("column_reduction_array_rate",)
 _FORMAT_15_FIELDS = ("window_reduction_rate", "select_and_scatter_rate", "dfs_schedule")
+_FORMAT_16_FIELDS = ("narrow_transposed_matmul_flops", "cached_select_and_scatter_rate")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -45,6 +46,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_13_FIELDS,
     *_FORMAT_14_FIELDS,
     *_FORMAT_15_FIELDS,
+    *_FORMAT_16_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -89,6 +91,8 @@ def test_peak_depends_on_dtype_and_precision():
         ("column_reduction_array_rate", 0.0),
         ("window_reduction_rate", -1.0),
         ("select_and_scatter_rate", float("inf")),
+        ("narrow_transposed_matmul_flops", 0.0),
+        ("cached_select_and_scatter_rate", -1.0),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
@@ -168,6 +172,24 @@ def test_pools_and_their_gradients_run_at_the_measured_rates(gradient):
     assert seconds > 10 * bytes_s
     priced = _compute_s(step, 0.0, args, POOLED) - _compute_s(step, 0.0, args, unmeasured)
     assert priced == pytest.approx(seconds - bytes_s, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "batch, rate",
+    [(4, 4e6), (32, 2e6), (64, 1e6)],
+    ids=["in cache", "between", "beyond"],
+)
+def test_pool_gradients_run_faster_where_the_caches_hold_their_operand(batch, rate):
+    """The gradient of a max pool over images of 32x32x16 float32 (64 KiB each): 4 of them
+    (256 KiB, under `SELECT_AND_SCATTER_BYTES[0]`) at `cached_select_and_scatter_rate`, 64
+    (4 MiB) at `select_and_scatter_rate`, 32 (2 MiB) two thirds of the way in log bytes."""
+    cached = dataclasses.replace(POOLED, cached_select_and_scatter_rate=4e6)
+    x = jax.ShapeDtypeStruct((batch, 32, 32, 16), jnp.float32)
+    dy = jax.ShapeDtypeStruct((batch, 16, 16, 16), jnp.float32)
+    step = lambda s, xy: (s, jax.vjp(_max_pool, xy[0])[1](xy[1])[0])  # noqa: E731
+    windows = dy.size
+    priced = _compute_s(step, 0.0, (x, dy), cached) - _compute_s(step, 0.0, (x, dy), POOLED)
+    assert priced == pytest.approx(windows / rate - windows / 1e6, rel=1e-6)
 
 
 # A GPU whose column reductions walk 1e9 rows/s (an H200 measured about that).
@@ -297,6 +319,64 @@ def test_weight_gradient_matmuls_run_at_the_measured_transposed_rate():
     assert _compute_s(forward, _W, x, spec) == pytest.approx(flops / peak + overhead)
     unmeasured = dataclasses.replace(spec, transposed_matmul_flops=None)
     assert _compute_s(gradient, 0.0, x, unmeasured) == pytest.approx(flops / peak + overhead)
+
+
+NARROW = dataclasses.replace(CPU, transposed_matmul_flops=20e9, narrow_transposed_matmul_flops=10e9)
+
+
+@pytest.mark.parametrize(
+    "lhs_columns, rhs_columns, rate",
+    [
+        (256, 256, 20e9),
+        (256, 64, 10e9),
+        (64, 256, 20e9),
+        (64, 128, 15e9),
+        (64, 32, 6e9),
+        (64, 512, 24e9),
+    ],
+    ids=["wide", "narrow result", "narrow lhs", "between", "narrower", "wider"],
+)
+def test_weight_gradient_rate_follows_the_columns_of_its_result(lhs_columns, rhs_columns, rate):
+    """x^T·y with a result of y's columns: 20 GFLOP/s measured at 256 columns and 10 at 64 fix
+    R = 30 and N½ = 128 in rate = R·N / (N + N½) (a packing cost per lhs element plus the
+    FLOPs at R), which reads 15 at 128 columns, 6 at 32 and 24 at 512. The lhs's width does not
+    count (XLA:CPU ran 64x16384·16384x256 at 275 GFLOP/s and 256x16384·16384x64 at 163 on a
+    host that runs 256-column ones at 280)."""
+    rows = 4096
+    x = jax.ShapeDtypeStruct((rows, lhs_columns), jnp.float32)
+    y = jax.ShapeDtypeStruct((rows, rhs_columns), jnp.float32)
+    gradient = lambda w, xy: (w, jax.lax.dot_general(*xy, (((0,), (0,)), ((), ()))))  # noqa: E731
+    flops = 2 * rows * lhs_columns * rhs_columns
+    seconds = flops / rate + NARROW.kernel_overhead_s
+    assert _compute_s(gradient, 0.0, (x, y), NARROW) == pytest.approx(seconds)
+    wide_only = dataclasses.replace(NARROW, narrow_transposed_matmul_flops=None)
+    wide_s = flops / 20e9 + NARROW.kernel_overhead_s
+    assert _compute_s(gradient, 0.0, (x, y), wide_only) == pytest.approx(wide_s)
+
+
+@pytest.mark.parametrize("narrow", [30e9, 4e9], ids=["narrow faster", "under a quarter"])
+def test_weight_gradient_rates_off_the_packing_law_price_every_width_at_the_wide_one(narrow):
+    spec = dataclasses.replace(NARROW, narrow_transposed_matmul_flops=narrow)
+    assert [spec.transposed_matmul_rate(n) for n in (16, 64, 256, 4096)] == [20e9] * 4
+
+
+def test_the_ilp_prices_a_weight_gradient_by_its_columns_per_device(monkeypatch):
+    """On 2 devices a strategy that splits the 256 columns of x^T·y's result leaves each device
+    128 (`result_columns` of the strategy's output spec), one that keeps them whole 256."""
+    seen = set()
+    priced = Roofline.seconds
+
+    def spied(self, node, flops, in_bytes, out_bytes, columns=None):
+        if node.primitive == "dot_general":
+            seen.add(columns)
+        return priced(self, node, flops, in_bytes, out_bytes, columns)
+
+    monkeypatch.setattr(Roofline, "seconds", spied)
+    x = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
+    gradient = lambda w, x: (w, jax.lax.dot_general(x, x, (((0,), (0,)), ((), ()))))  # noqa: E731
+    spec = dataclasses.replace(NARROW, devices_per_host=2)
+    autopar.plan(gradient, 0.0, x, cluster_spec=spec, method=autopar.ShardParallel())
+    assert {128.0, 256.0} <= seen
 
 
 RAMP = ((1e6, 0.25), (1e8, 0.75))  # a quarter of the peak at 1 MFLOP, three quarters at 100
@@ -450,9 +530,10 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (11, (*_FORMAT_12_FIELDS, *_FORMAT_13_FIELDS)),
         (12, (*_FORMAT_13_FIELDS, *_FORMAT_14_FIELDS)),
         (13, (*_FORMAT_14_FIELDS, *_FORMAT_15_FIELDS)),
-        (14, _FORMAT_15_FIELDS),
+        (14, (*_FORMAT_15_FIELDS, *_FORMAT_16_FIELDS)),
+        (15, _FORMAT_16_FIELDS),
     ],
-    ids=[f"format {v}" for v in range(6, 15)],
+    ids=[f"format {v}" for v in range(6, 16)],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
