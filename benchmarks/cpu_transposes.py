@@ -17,6 +17,12 @@ one jitted function:
 
 GB/s counts the bytes of every array read and of the result written.
 
+Then the step of the MoE expert layer alone (the zoo MoE's shapes: 4 experts, 16 groups of 32
+tokens, 128 -> 1024 -> 128; both einsums, their gradients and an SGD update) with each of four
+activations, planned by `autopar.plan` with the `ClusterSpec` that `autopar.profile_cluster()`
+measures here, predicted against measured (the median of `STEPS` steps, the least over
+`ROUNDS`): where XLA fuses the activation's chain into the expert activations' layout copies.
+
     python benchmarks/cpu_transposes.py
 
 Writes benchmarks/results/cpu_transposes.{json,md}.
@@ -37,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPEATS = 20
+STEPS, ROUNDS = 15, 3
 MOE = (4, 16, 32, 1024)  # (experts, groups, capacity, ffn) of the cost-model zoo's MoE
 TO_FFN_MAJOR = (0, 3, 1, 2)
 
@@ -85,6 +92,79 @@ def _row(case: str, shape, arrays: int, fun) -> dict:
     }
 
 
+ACTIVATIONS = {
+    "identity": lambda h: h,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "gelu": jax.nn.gelu,  # the zoo's
+}
+# (activation, ffn width): each activation at the zoo's 1024, and GELU at widths around it
+# (the expert activations' stride is ffn x 4 bytes; XLA places the step's 8 MiB temporaries at
+# multiples of 8 MiB in one block, so at 1024 the arrays a transposing loop reads alias)
+EXPERT_CASES = [*((name, MOE[-1]) for name in ACTIVATIONS), ("gelu", 1000), ("gelu", 1048)]
+
+
+def _expert_step(activation):
+    """An SGD step of the MoE expert layer, `egcm,emh->egch`, the activation, `egch,ehm->gecm`."""
+
+    def loss(params, x):
+        h = activation(jnp.einsum("egcm,emh->egch", x, params["wi"]))
+        out = jnp.einsum("egch,ehm->gecm", h, params["wo"])
+        return jnp.mean(out * out)
+
+    def step(params, x):
+        loss_value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss_value
+
+    return step
+
+
+def _measured_s(step, params, x) -> float:
+    best = float("inf")
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            params, loss = step(params, x)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - start)
+        best = min(best, sorted(times)[len(times) // 2])
+    return best
+
+
+def expert_layer_rows() -> list[dict]:
+    """The expert layer's step for each of `EXPERT_CASES`: predicted and measured ms."""
+    import autopar
+
+    experts, groups, capacity, _ = MOE
+    model = 128
+    spec = autopar.profile_cluster()
+    x = jnp.full((experts, groups, capacity, model), 0.5, jnp.float32)
+    rows = []
+    autopar.init("local", cluster_spec=spec)
+    try:
+        for name, ffn in EXPERT_CASES:
+            params = {  # a step donates them: each case starts from its own
+                "wi": jnp.full((experts, model, ffn), 0.01, jnp.float32),
+                "wo": jnp.full((experts, ffn, model), 0.01, jnp.float32),
+            }
+            parallel = autopar.parallelize(_expert_step(ACTIVATIONS[name]))
+            predicted = parallel.get_plan(params, x).predicted.step_time_s
+            measured = _measured_s(parallel, params, x)
+            rows.append(
+                {
+                    "activation": name,
+                    "ffn": ffn,
+                    "predicted_ms": predicted * 1e3,
+                    "measured_ms": measured * 1e3,
+                    "ratio": predicted / measured,
+                }
+            )
+    finally:
+        autopar.shutdown()
+    return rows
+
+
 def main() -> None:
     if len(jax.devices()) != 1:
         raise SystemExit("run with ONE device (unset XLA_FLAGS device counts)")
@@ -98,9 +178,21 @@ def main() -> None:
         rows.append(_row(f"{name}, transposed", MOE, arrays, _transposed(chain)))
     for r in rows:
         print(f"{r['case']:<52} {r['ms']:8.2f} ms {r['gb_per_s']:7.1f} GB/s", flush=True)
+    experts = expert_layer_rows()
+    for r in experts:
+        print(
+            f"expert layer, {r['activation']:<8} ffn {r['ffn']:<5} predicted "
+            f"{r['predicted_ms']:7.2f} ms measured {r['measured_ms']:7.2f} ms "
+            f"ratio {r['ratio']:.2f}",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
     device = jax.devices()[0].device_kind
-    data = {"device": f"one real CPU device ({device}), {os.cpu_count()} CPUs", "rows": rows}
+    data = {
+        "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
+        "rows": rows,
+        "expert_layer": experts,
+    }
     (RESULTS / "cpu_transposes.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Transposing element-wise kernels on XLA:CPU",
@@ -114,6 +206,19 @@ def main() -> None:
     ]
     for r in rows:
         lines.append(f"| {r['case']} | {r['arrays_read']} | {r['ms']:.2f} | {r['gb_per_s']:.1f} |")
+    lines += [
+        "",
+        "The MoE expert layer's SGD step (experts, groups, capacity = "
+        f"{list(MOE[:3])}, model 128), planned with the spec `profile_cluster()` measured here:",
+        "",
+        "| activation | ffn | predicted ms | measured ms | predicted / measured |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in experts:
+        lines.append(
+            f"| {r['activation']} | {r['ffn']} | {r['predicted_ms']:.2f} | "
+            f"{r['measured_ms']:.2f} | {r['ratio']:.2f} |"
+        )
     (RESULTS / "cpu_transposes.md").write_text("\n".join(lines) + "\n")
 
 
