@@ -49,7 +49,7 @@ _TINY = 8  # side of the matmuls that measure the kernel floor
 _CONV_SIDE, _CONV_CHANNELS = 32, 64
 _TRANSPOSE_SIDE = 512
 # A weight gradient's matmul: (4096, 256)^T · (4096, 256), as a layer's input and output
-# gradient over a batch of tokens give it; a narrow one (64 columns) has 4x the rows.
+# gradient over a batch of tokens give it; a narrow one has a y of 64 columns.
 _GRAD_ROWS, _GRAD_SIDE = 4096, TRANSPOSED_MATMUL_COLUMNS[1]
 # A bias gradient's column reduction: the most rows XLA:GPU reduces in one kernel
 # (`planner.roofline.COLUMN_REDUCTION_SPLIT`), 64 columns (256 B a row: its bytes are nothing).
@@ -567,27 +567,27 @@ def measure_select_and_scatter(
 def measure_transposed_matmul(
     devices: Sequence[jax.Device], sizes: ProfileSizes, columns: int = _GRAD_SIDE
 ) -> RateTiming:
-    """x^T·y of two (rows, `columns`) float32 blocks, first of `_GRAD_ROWS` · `_GRAD_SIDE` /
-    `columns` rows (operands of the same bytes at any width), then of more rows (`_grown`): a weight
-    gradient, whose lhs contracts its major dimension (XLA:CPU runs it outside its fast matmul
-    kernels): FLOP/s, of kind `NARROW_TRANSPOSED_MATMUL` for the narrow width of
+    """x^T·y of a (rows, `_GRAD_SIDE`) and a (rows, `columns`) float32 block, first of
+    `_GRAD_ROWS` rows, then of more (`_grown`): a weight gradient, whose lhs contracts its major
+    dimension (XLA:CPU runs it outside its fast matmul kernels), with a result `columns` wide:
+    FLOP/s, of kind `NARROW_TRANSPOSED_MATMUL` for the narrow width of
     `TRANSPOSED_MATMUL_COLUMNS`. (On an H200 the first size takes a few µs: a chain of 4 of
     them against one read 1.2 PFLOP/s, the launch's noise.)"""
     mesh, d = _local_mesh(devices), len(devices)
     narrow = columns == TRANSPOSED_MATMUL_COLUMNS[0]
     kind = RateKind.NARROW_TRANSPOSED_MATMUL if narrow else RateKind.TRANSPOSED_MATMUL
 
-    def step(x, y):  # the (columns, columns) gradient written over x's first rows: it stays 0.5
+    def step(y, x):  # the gradient / rows written over y's first rows: y's sums stay ~1
         grad = jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())))
-        return jax.lax.dynamic_update_slice(x, grad, (0, 0))
+        return jax.lax.dynamic_update_slice(y, grad / x.shape[0], (0, 0))
 
     def time_at(rows: int) -> RateTiming:
-        x = _filled(mesh, (d * rows, columns), jnp.float32, 0.5)
+        x = _filled(mesh, (d * rows, _GRAD_SIDE), jnp.float32, 0.5)
         y = _filled(mesh, (d * rows, columns), jnp.float32, 1.0 / rows)
-        seconds = _op_s(_per_device(mesh, 2), step, x, (y,), sizes)
-        return RateTiming(kind, 2 * rows * columns**2, seconds)
+        seconds = _op_s(_per_device(mesh, 2), step, y, (x,), sizes)
+        return RateTiming(kind, 2 * rows * _GRAD_SIDE * columns, seconds)
 
-    return _grown(time_at, _GRAD_ROWS * _GRAD_SIDE // columns, sizes)
+    return _grown(time_at, _GRAD_ROWS, sizes)
 
 
 def measure_fresh_memory(
