@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ["AUTOPAR_PLAN_CACHE"] = "off"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -137,22 +138,33 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _device_busy_s(step, args, steps: int = 3) -> float | None:
-    """Seconds per step the device is busy (the union of its kernels and copies in a profiler
-    trace of `steps` waited steps); None where the trace holds no device (a CPU's ops run on
-    host threads)."""
+def profiler_events(run: Callable[[], None]) -> list[dict]:
+    """The events of a profiler trace of `run()` (Chrome trace format: "X" events are spans)."""
     import jax
 
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python's own events would slow the host down
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
-            for _ in range(steps):
-                out = jax.block_until_ready(step(*args))
-                args = (*out[: len(args) - 1], args[-1])
+            run()
         (path,) = pathlib.Path(log_dir).rglob("perfetto_trace.json.gz")
         data = json.loads(gzip.decompress(path.read_bytes()))
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _device_busy_s(step, args, steps: int = 3) -> float | None:
+    """Seconds per step the device is busy (the union of its kernels and copies in a profiler
+    trace of `steps` waited steps); None where the trace holds no device (a CPU's ops run on
+    host threads)."""
+    import jax
+
+    def run() -> None:
+        nonlocal args
+        for _ in range(steps):
+            out = jax.block_until_ready(step(*args))
+            args = (*out[: len(args) - 1], args[-1])
+
+    events = profiler_events(run)
     devices = {
         e["pid"]
         for e in events

@@ -23,6 +23,13 @@ activations, planned by `autopar.plan` with the `ClusterSpec` that `autopar.prof
 measures here, predicted against measured (the median of `STEPS` steps, the least over
 `ROUNDS`): where XLA fuses the activation's chain into the expert activations' layout copies.
 
+Last, those transposing kernels alone, read off a profile of the expert step (`jax.profiler`,
+the least of `STEPS` steps): their time per element and per array they read at expert widths
+of 1000, 1024 and 2048 and 16, 31 or 32 tokens of capacity. Where the row stride (the width in
+bytes) is a multiple of 4 KiB, the rows one output row reads all fall in the same cache sets,
+and the time per element and array grows with the lines in flight: rows walked (groups x
+capacity) x arrays read. A line a + b x lines is fitted to those rows.
+
     python benchmarks/cpu_transposes.py
 
 Writes benchmarks/results/cpu_transposes.{json,md}.
@@ -34,12 +41,14 @@ import json
 import math
 import os
 import pathlib
+import re
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPEATS = 20
@@ -165,6 +174,87 @@ def expert_layer_rows() -> list[dict]:
     return rows
 
 
+# (activation, ffn, capacity) of the kernel rows: strides of 4000, 4096 and 8192 bytes, and
+# a capacity of 31 (arrays of 7.75 MiB: XLA's temporaries no longer lie at multiples of 8 MiB)
+KERNEL_CASES = [
+    *(
+        (name, ffn, capacity)
+        for name in ("identity", "relu", "gelu")
+        for ffn in (1000, 1024, 2048)
+        for capacity in (16, 32)
+    ),
+    ("gelu", 1024, 31),
+]
+ALIASING_STRIDE = 4096  # bytes: x86's usual L1 set span (this machine's: 48 KiB over 12 ways)
+
+
+def _kernel_us(jitted, *args) -> dict[str, float]:
+    """Each kernel's least time in microseconds over `STEPS` profiled calls."""
+    from cost_model import profiler_events
+
+    for _ in range(3):
+        jax.block_until_ready(jitted(*args))
+
+    def run() -> None:
+        for _ in range(STEPS):
+            jax.block_until_ready(jitted(*args))
+
+    least: dict[str, float] = {}
+    for e in profiler_events(run):
+        if e.get("ph") == "X":
+            least[e["name"]] = min(least.get(e["name"], math.inf), e.get("dur", 0))
+    return least
+
+
+def transposing_kernel_rows() -> list[dict]:
+    """Each transposing kernel of the expert step that writes [experts, ffn, tokens]."""
+    experts, groups, _, _ = MOE
+    rows = []
+    for name, ffn, capacity in KERNEL_CASES:
+        x = jnp.full((experts, groups, capacity, 128), 0.5, jnp.float32)
+        params = {
+            "wi": jnp.full((experts, 128, ffn), 0.01, jnp.float32),
+            "wo": jnp.full((experts, ffn, 128), 0.01, jnp.float32),
+        }
+        jitted = jax.jit(_expert_step(ACTIVATIONS[name]))
+        hlo = jitted.lower(params, x).compile().as_text()
+        times = _kernel_us(jitted, params, x)
+        tokens = groups * capacity
+        written = re.escape(f"f32[{experts},{ffn},{tokens}]")
+        for m in re.finditer(rf"%(\S+) = {written}\{{2,1,0\}} fusion\(([^)]*)\)", hlo):
+            arrays = len(m.group(2).split(","))
+            us = times.get(m.group(1), math.nan)
+            rows.append(
+                {
+                    "activation": name,
+                    "ffn": ffn,
+                    "rows_walked": tokens,
+                    "kernel": m.group(1),
+                    "arrays_read": arrays,
+                    "lines_in_flight": tokens * arrays,
+                    "aliasing": (4 * ffn) % ALIASING_STRIDE == 0,
+                    "us": us,
+                    "ns_per_element_array": us * 1e3 / (experts * ffn * tokens * arrays),
+                }
+            )
+    return rows
+
+
+def _law_covers(row: dict) -> bool:
+    """Kernels at an aliasing stride that compute: plain copies (identity) XLA tiles."""
+    return row["aliasing"] and row["activation"] != "identity" and math.isfinite(row["us"])
+
+
+def fit_lines_law(rows: list[dict]) -> tuple[float, float]:
+    """(a, b) of ns per element and array = a + b x lines in flight, least squares over the
+    rows `_law_covers`."""
+    covered = [r for r in rows if _law_covers(r)]
+    slope, intercept = np.polyfit(
+        [r["lines_in_flight"] for r in covered], [r["ns_per_element_array"] for r in covered], 1
+    )
+    return float(intercept), float(slope)
+
+
 def main() -> None:
     if len(jax.devices()) != 1:
         raise SystemExit("run with ONE device (unset XLA_FLAGS device counts)")
@@ -186,12 +276,24 @@ def main() -> None:
             f"ratio {r['ratio']:.2f}",
             flush=True,
         )
+    kernels = transposing_kernel_rows()
+    a, b = fit_lines_law(kernels)
+    for r in kernels:
+        r["law_ns"] = a + b * r["lines_in_flight"] if _law_covers(r) else None
+        print(
+            f"{r['activation']:<8} ffn {r['ffn']:<5} rows {r['rows_walked']:<4} "
+            f"{r['kernel']:<24} arrays {r['arrays_read']} {r['us']:8.0f} us "
+            f"{r['ns_per_element_array']:5.2f} ns/element/array",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
     device = jax.devices()[0].device_kind
     data = {
         "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
         "rows": rows,
         "expert_layer": experts,
+        "transposing_kernels": kernels,
+        "lines_law_ns": {"a": a, "b": b},
     }
     (RESULTS / "cpu_transposes.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
@@ -218,6 +320,23 @@ def main() -> None:
         lines.append(
             f"| {r['activation']} | {r['ffn']} | {r['predicted_ms']:.2f} | "
             f"{r['measured_ms']:.2f} | {r['ratio']:.2f} |"
+        )
+    lines += [
+        "",
+        "The expert step's kernels that write [experts, ffn, tokens] (the layout copies XLA fuses",
+        f"the activation's chain into), each the least of {STEPS} profiled steps; at a stride that",
+        f"is a multiple of {ALIASING_STRIDE} bytes, the law ns = {a:.3f} + {b:.5f} x lines in",
+        "flight (rows walked x arrays read), fitted to the kernels there that compute:",
+        "",
+        "| activation | ffn | rows walked | kernel | arrays read | µs | ns per element and array "
+        "| law |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in kernels:
+        law = "–" if r["law_ns"] is None else f"{r['law_ns']:.2f}"
+        lines.append(
+            f"| {r['activation']} | {r['ffn']} | {r['rows_walked']} | {r['kernel']} | "
+            f"{r['arrays_read']} | {r['us']:.0f} | {r['ns_per_element_array']:.2f} | {law} |"
         )
     (RESULTS / "cpu_transposes.md").write_text("\n".join(lines) + "\n")
 
