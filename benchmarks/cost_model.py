@@ -317,7 +317,7 @@ def main() -> None:
 
 
 def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
-    from autopar.runtime.cluster_profile import efficiency_text
+    from autopar.runtime.cluster_profile import aliased_loop_text, efficiency_text
 
     RESULTS.mkdir(exist_ok=True)
     data = {
@@ -394,6 +394,7 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
             else f"{spec.column_reduction_array_rate / 1e9:.2f} Grows/s"
         )
         + " |",
+        f"| element-wise loop fused into a transposing copy | {aliased_loop_text(spec)} |",
         "",
         "| model | predicted | measured | predicted / measured |",
         "|---|---:|---:|---:|",

@@ -1,11 +1,12 @@
-"""What a transposing element-wise kernel costs on XLA:CPU: the evidence behind MoE's gap in
-`make bench-costmodel` (issue 20), on ONE real CPU device.
+"""What a transposing element-wise kernel costs on XLA:CPU: the evidence behind how
+`make bench-costmodel` prices MoE (issue 20), on ONE real CPU device.
 
-The roofline prices a transpose that moves the minor dimension, and a layout copy that an
-element-wise fusion writes transposed, at one rate: `ClusterSpec.transpose_bandwidth`, which
-`autopar.profile_cluster()` measures as back-to-back swaps of 512x512 planes filling a 64 MiB
-buffer. This times the cases that rate stands for, each the least of `REPEATS` waited calls of
-one jitted function:
+The roofline prices a transpose that moves the minor dimension, and a layout copy, at one rate:
+`ClusterSpec.transpose_bandwidth`, which `autopar.profile_cluster()` measures as back-to-back
+swaps of 512x512 planes filling a 64 MiB buffer; except a copy that XLA fuses an element-wise
+loop into at a row stride that aliases in the caches, priced by the loop's lines in flight
+(`ClusterSpec.aliased_loop_s_at`). This times the cases those rates stand for, each the least of
+`REPEATS` waited calls of one jitted function:
 
 * the same transpose over 8 MiB (its result reuses the allocator's memory) and over 64 MiB (its
   result is mapped afresh every call, as the profile's is: glibc maps buffers from 32 MiB);

@@ -5,18 +5,23 @@ read a side with one free and one contracting dim (a matrix) either way round. X
 `DotDecomposer` transposes any other operand into that order first: a copy of the whole operand,
 a kernel of its own (the `copy_bitcast_fusion`s and `transpose_copy_fusion`s of a profile). What
 counts is the order of the buffer under the jaxpr's transposes, which XLA folds into the dot.
-XLA computes a dot whose result is only read transposed so that the two operands' free dims
-swap with its operands swapped (no copy of the result), sorts the contracting dims by one
-side's order where that spares a copy, and has an element-wise fusion that writes an operand
-write it in the wanted order (no buffer of its own, the same strided pass). A convolution runs
-on an image laid out [batch, spatial..., feature] and a kernel [spatial..., in, out], and writes
-its result like the image: a weight gradient's convolution (batch and feature dims swapped)
-copies its image, its output gradient and its result.
+The copies follow the jaxpr's operand order (the lhs is laid out [batch, free, contracting]),
+even where XLA later swaps the operands to write a transposed result: (x^T·y)^T over two
+contracting dims copies x. XLA sorts the contracting dims by one side's order where that spares
+a copy. Where an element-wise fusion writes the operand, XLA fuses its loop into the copy (no
+buffer of its own, the same strided pass, reading what the fusion reads), unless a reduction
+also reads it (a bias gradient) or it is read elsewhere too and computes something expensive
+(`_loop_fuses_into_copy`): XLA then writes it once and copies that.
+XLA swaps a dot's operands to write its result transposed only where each side has one free
+dim (a reshape of merged free dims stands between the dot and the transpose otherwise).
+A convolution runs on an image laid out [batch, spatial..., feature] and a kernel
+[spatial..., in, out], and writes its result like the image: a weight gradient's convolution
+(batch and feature dims swapped) copies its image, its output gradient and its result.
 
 The memory model counts the dot copies' buffers (held to XLA's memory analysis to the byte in
 `tests/test_shard_parallel.py`), the roofline their time (`planner.roofline`). On the zoo of
-`make bench-costmodel` these rules find 35 copies in the GPT step, 40 in MoE's, 21 in
-transformers' GPT-2's and Llama's, 27 in the equinox transformer's and 33 in Wide-ResNet's,
+`make bench-costmodel` these rules find 41 copies in the GPT step, 49 in MoE's, 21 in
+transformers' GPT-2's, 27 in Llama's, 36 in the equinox transformer's and 33 in Wide-ResNet's,
 against 47, 59, 39, 33, 44 and 25 copy and transpose fusions in XLA:CPU's HLO (plain copies,
 mostly of parameters, left out; among the rest: transposes of results that element-wise ops
 read, which the roofline prices as transposes). XLA:GPU's matmuls read strided operands and
@@ -31,9 +36,12 @@ from collections.abc import Sequence
 from autopar.planner.graph import OpGraph, OpNode, ValueRef
 from autopar.planner.groups import TRANSPARENT
 from autopar.planner.markers import PARAM_USE
-from autopar.planner.primitives import names_where
+from autopar.planner.primitives import PRIMITIVES, FlopRule, names_where
 
 _FUSED = names_where("fuses")  # element-wise: a loop fusion writes it
+_REDUCTIONS = frozenset(n for n, info in PRIMITIVES.items() if info.flops is FlopRule.REDUCTION)
+_EXPENSIVE = names_where("expensive")  # XLA's `IsExpensive`: not computed twice
+_ADDS = frozenset({"add", "add_any"})
 _MARKERS = (PARAM_USE, *TRANSPARENT)  # their outputs are their operands
 
 
@@ -52,8 +60,8 @@ class LayoutCopy:
     """A copy XLA makes of operand `position` of a contraction (None: of its result, into the
     layout the jaxpr asks for): `source` laid out as `order` (dim i of the copy is dim order[i]
     of `source`). `strided` when the minor dim moves. Where an element-wise fusion writes the
-    operand (`written_by_fusion`), XLA has the fusion write it in that layout instead: no buffer
-    of its own, but the same strided pass."""
+    operand and no reduction reads it (`written_by_fusion`), XLA fuses that loop into the copy:
+    no buffer of its own, a strided pass over what the fusion reads."""
 
     position: int | None
     source: ValueRef | None
@@ -82,26 +90,17 @@ def operand_layout(graph: OpGraph, ref: ValueRef, rank: int) -> OperandLayout:
 
 
 def swaps_free_dims(node: OpNode, permutation: Sequence[int]) -> bool:
-    """Whether transposing dot `node`'s result by `permutation` only swaps the lhs's free dims
-    with the rhs's (batch dims stay first): XLA then computes the dot with its operands swapped
-    and writes the result in that order, with no copy."""
+    """Whether transposing dot `node`'s result by `permutation` only swaps the lhs's free dim
+    with the rhs's (batch dims stay first, one free dim a side): XLA:CPU then computes the dot
+    with its operands swapped and writes the result in that order, with no copy ('bsk,km->bsm'
+    transposed to 'mbs' is copied: XLA merges b and s first, and the reshape stays)."""
     (lhs_c, rhs_c), (lhs_b, _) = node.params["dimension_numbers"]
     nb = len(lhs_b)
     lhs_free = len(node.in_avals[0].shape) - nb - len(lhs_c)
     rhs_free = len(node.in_avals[1].shape) - nb - len(rhs_c)
     swapped = [*range(nb), *range(nb + lhs_free, nb + lhs_free + rhs_free)]
     swapped += range(nb, nb + lhs_free)
-    return list(permutation) == swapped and lhs_free > 0 and rhs_free > 0
-
-
-def _result_swapped(graph: OpGraph, node: OpNode) -> bool:
-    """Whether XLA computes `node` with its operands swapped: its one reader is a transpose that
-    only swaps the operands' free dims (`swaps_free_dims`)."""
-    readers = graph.consumers(node.id)
-    if len(readers) != 1:
-        return False
-    reader = graph.node(readers[0][0])
-    return reader.primitive == "transpose" and swaps_free_dims(node, reader.params["permutation"])
+    return list(permutation) == swapped and lhs_free == 1 and rhs_free == 1
 
 
 def layout_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
@@ -116,9 +115,47 @@ def layout_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
 
 def _copy(graph: OpGraph, position: int, layout: OperandLayout, wanted) -> LayoutCopy:
     """The copy of operand `position`, read as `layout`, into the operand dims order `wanted`."""
-    producer = graph.producer(layout.source)
-    fused = producer is not None and producer.primitive in _FUSED
+    fused = _loop_fuses_into_copy(graph, layout.source)
     return LayoutCopy(position, layout.source, tuple(layout.order[d] for d in wanted), fused)
+
+
+def _loop_fuses_into_copy(graph: OpGraph, source: ValueRef) -> bool:
+    """Whether XLA:CPU fuses the element-wise loop that writes `source` into a layout copy of
+    it: not where a reduction also reads it (a bias gradient: XLA writes it once and copies
+    that), nor where another reader needs it too and the loop computes what XLA does not
+    compute twice (an `expensive` primitive: an exp, a divide) in its chain of element-wise
+    operands that have no other reader (a GELU's gradient, whose tanh the forward pass wrote,
+    is computed again inside the copy), nor where it adds a scatter-add's result (XLA scatters
+    into the other addend in place: a cross-entropy's gradient, copied as written)."""
+    producer = graph.producer(source)
+    if producer is None or producer.primitive not in _FUSED:
+        return False
+    if producer.primitive in _ADDS and any(
+        (p := graph.producer(ref)) is not None and p.primitive == "scatter-add"
+        for ref in producer.inputs
+    ):
+        return False  # XLA scatters into the other addend in place: a cross-entropy's gradient
+    readers = [graph.node(r).primitive for r, _ in graph.consumers(source.node)]
+    if any(r in _REDUCTIONS for r in readers):
+        return False
+    return len(readers) == 1 or not _computes_expensive(graph, producer)
+
+
+def _computes_expensive(graph: OpGraph, node: OpNode) -> bool:
+    """Whether `node` or an element-wise operand chain of it that only it reads is expensive."""
+    stack, seen = [node], {node.id}
+    while stack:
+        n = stack.pop()
+        if n.primitive in _EXPENSIVE:
+            return True
+        for ref in n.inputs:
+            p = graph.producer(ref)
+            if p is None or p.id in seen or p.primitive not in _FUSED:
+                continue
+            if len(graph.consumers(p.id)) == 1:
+                seen.add(p.id)
+                stack.append(p)
+    return False
 
 
 def _conv_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
@@ -149,13 +186,12 @@ def _dot_copies(graph: OpGraph, node: OpNode) -> tuple[LayoutCopy, ...]:
         operand_layout(graph, ref, len(aval.shape))
         for ref, aval in zip(node.inputs, node.in_avals, strict=True)
     ]
-    lhs, rhs = (1, 0) if _result_swapped(graph, node) else (0, 1)
     best: tuple[LayoutCopy, ...] | None = None
     pairs = range(len(contracting[0]))
-    for by in (lhs, rhs):  # XLA sorts the contracting pairs by one side's buffer order
+    for by in (0, 1):  # XLA sorts the contracting pairs by one side's buffer order
         pair_order = sorted(pairs, key=lambda i, by=by: layouts[by].order[contracting[by][i]])
         copies = []
-        for side, rows_first in ((lhs, True), (rhs, False)):
+        for side, rows_first in ((0, True), (1, False)):  # the lhs gives the result's rows
             b, rank = list(batch[side]), len(layouts[side].order)
             c = [contracting[side][i] for i in pair_order]
             free = [d for d in range(rank) if d not in b and d not in c]

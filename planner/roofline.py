@@ -23,7 +23,11 @@ measured them (`autopar.profile_cluster()`) prices them at their own rates:
   free (XLA folds it into them), and so does one of a contraction's result where XLA has the
   contraction write it transposed (on a CPU, a dot whose operands can swap). On a CPU a dot's
   operands are copied into plain matrices where they are not laid out as one
-  (`planner.dot_layout`): each copy is a kernel, priced like a transpose;
+  (`planner.dot_layout`): each copy is a kernel, priced like a transpose, except where XLA fuses
+  the element-wise loop that writes the operand into it at a row stride that is a multiple of
+  `ClusterSpec.aliasing_stride`: every line that loop walks for one output row falls in the
+  same few cache sets, and it reads each element of each of its arrays at
+  `ClusterSpec.aliased_loop_s_at` its lines in flight (`Roofline.aliased_loop`);
 * a matmul whose lhs contracts a dimension other than its minor one (a weight gradient x^T·dy)
   runs at `ClusterSpec.transposed_matmul_rate` of its result's columns per device
   (`result_columns`): XLA:CPU leaves it to Eigen, at a fraction of its matmul kernels' rate,
@@ -361,7 +365,7 @@ class Roofline:
         return (
             self.traffic(node),
             self.strided_transpose(node),
-            tuple((c.position, c.strided) for c in copies),
+            tuple((c.position, c.strided, self.aliased_loop(node, c)) for c in copies),
             lhs_copied,
             self._gpu_fusions()[1].get(node.id, 0),
         )
@@ -391,8 +395,8 @@ class Roofline:
         seconds = max(seconds, self.column_reduction_s(node, in_bytes, out_bytes))
         seconds = max(seconds, self.window_s(node, in_bytes, out_bytes))
         seconds += sum(
-            self.copy_s(
-                sum(out_bytes) if c.position is None else in_bytes[c.position] or 0.0, c.strided
+            self.layout_copy_s(
+                node, c, sum(out_bytes) if c.position is None else in_bytes[c.position] or 0.0
             )
             for c in copies
         )
@@ -458,6 +462,63 @@ class Roofline:
         else:
             seconds = op_time(0.0, 2 * nbytes, self.cluster.device_flops, self.cluster)
         return seconds + self.cluster.kernel_overhead_s
+
+    def layout_copy_s(self, node: OpNode, copy: LayoutCopy, nbytes: float) -> float:
+        """Seconds of layout copy `copy` of contraction `node`, of `nbytes` per device: where it
+        is an aliased loop (`aliased_loop`), each element of each array the loop reads at
+        `ClusterSpec.aliased_loop_s_at` its lines in flight, and a kernel floor; otherwise
+        `copy_s`."""
+        loop = self.aliased_loop(node, copy)
+        if loop is None:
+            return self.copy_s(nbytes, copy.strided)
+        rows, arrays = loop
+        value = self.grouping.value_of(copy.source)
+        elements = nbytes / value_aval(self.grouping, value).dtype.itemsize
+        per_element_s = self.cluster.aliased_loop_s_at(rows * arrays)
+        return elements * arrays * per_element_s + self.cluster.kernel_overhead_s
+
+    def aliased_loop(self, node: OpNode, copy: LayoutCopy) -> tuple[int, int] | None:
+        """(rows one output row walks, arrays read) of the element-wise loop that XLA:CPU fuses
+        into strided layout copy `copy` of dot `node` (`LayoutCopy.written_by_fusion`), where
+        the copy's minor dim walks its source at a stride that is a multiple of
+        `ClusterSpec.aliasing_stride` and the spec prices such loops; None otherwise. Rows and
+        stride are read off the source's whole shape: a device's share of a split minor dim
+        walks at a shorter stride. A convolution's copies are left out: a Wide-ResNet's, at
+        strides of 16 KiB, took nowhere near what the law gives (priced so, its step read 1.44
+        of measured)."""
+        cluster = self.cluster
+        if node.primitive != "dot_general" or cluster.aliased_loop_s_at(1) is None:
+            return None
+        if not (copy.strided and copy.written_by_fusion):
+            return None
+        value = self.grouping.value_of(copy.source)
+        if value is None:
+            return None
+        aval = value_aval(self.grouping, value)
+        shape, minor = tuple(aval.shape), len(aval.shape) - 1
+        walked = copy.order[-1]  # the source dim that the copy's minor dim runs along
+        stride = aval.dtype.itemsize * math.prod(shape[walked + 1 :])
+        if stride % cluster.aliasing_stride:
+            return None
+        rows = math.prod(shape[d] for d in copy.order[copy.order.index(minor) + 1 :])
+        return rows, self._loop_arrays(value)
+
+    def _loop_arrays(self, value: Value) -> int:
+        """Arrays of `value`'s size that the element-wise loop writing it reads from memory:
+        the operands of its chain of fused values that are not fused themselves."""
+        graph, size = self.grouping.graph, value_aval(self.grouping, value).size
+        found, seen, stack = set(), {value}, [value]
+        while stack:
+            for ref in graph.node(stack.pop()[0]).inputs:
+                read = self.grouping.value_of(ref)
+                if read is None or read in seen:
+                    continue
+                seen.add(read)
+                if read in self.fused:
+                    stack.append(read)
+                elif value_aval(self.grouping, read).size == size:
+                    found.add(read)
+        return max(1, len(found))
 
     def strided_transpose(self, node: OpNode) -> bool:
         """Whether `node` is a transpose priced at `transpose_bandwidth`: one that moves the

@@ -32,6 +32,11 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
   its shape) over 4 MiB of 32x32 images of 64 channels per device, window elements per second,
   and the gradient of one of stride 2 (`select_and_scatter_add`), windows per second;
   `cached_select_and_scatter_rate` that gradient over 512 KiB of images, which the caches hold;
+- `aliasing_stride`, `aliased_loop_rate`, `many_lines_aliased_loop_rate`: on a CPU, the span of
+  its L1 data cache's sets (size over ways, read from Linux's sysfs; None elsewhere), and an
+  element-wise loop fused into a transposing copy whose rows lie that far apart, over temporaries
+  XLA packs back to back: 256 rows reading 2 arrays and 512 rows reading 3, elements x arrays
+  per second (`microbench.measure_aliased_loop`);
 - `fresh_memory_rate`: what writing a step's temporaries costs where the allocator maps them
   afresh every step (allocations of at least `fresh_memory_threshold`, glibc's 32 MiB): bytes
   per second of the extra time of a streaming kernel writing a new buffer over writing in place;
@@ -55,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -64,6 +70,7 @@ import jax
 import numpy as np
 
 from autopar.planner.cluster import (
+    ALIASED_LOOP_LINES,
     GLIBC_MMAP_THRESHOLD,
     PLATFORMS,
     TRANSPOSED_MATMUL_COLUMNS,
@@ -83,6 +90,7 @@ from autopar.runtime.microbench import (
     RateKind,
     RateTiming,
     StreamTiming,
+    measure_aliased_loop,
     measure_collectives,
     measure_column_reduction,
     measure_column_reduction_arrays,
@@ -126,6 +134,7 @@ __all__ = [
 DEFAULT_SIZES = ProfileSizes()
 _INTRA = ("intra_host_bandwidth", "intra_host_latency")
 _INTER = ("inter_host_bandwidth", "inter_host_latency")
+_CACHE_INFO = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")  # Linux's view of cpu0's caches
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,6 +227,7 @@ class ClusterProfile:
             f"element/s, their gradients {_si(s.select_and_scatter_rate)}window/s "
             f"({_si(s.cached_select_and_scatter_rate)}window/s in cache)",
             f"  fresh memory: {_fresh(s)}; column reductions: {_column(s)}",
+            f"  loops fused into transposing copies: {aliased_loop_text(s)}",
         ]
         for where, fields in (("within a host", _INTRA), ("across hosts", _INTER)):
             bandwidth, latency = (getattr(s, f) for f in fields)
@@ -386,6 +396,8 @@ def build_spec(
     platform = devices[0].platform
     peaks = _peaks(matmul)
     rated = {t.kind.spec_field: t.rate for t in rates}  # fresh memory: None if it is free
+    if rated.get("aliased_loop_rate"):
+        rated["aliasing_stride"] = l1_set_span()
     if rated.get("transpose_bandwidth"):  # moves what the streaming kernel moves, at best: a
         # GPU's layout assignment can make some of a measured chain's transposes free (an H200
         # read 8.4 TB/s, over its 4.1 TB/s of streaming)
@@ -416,6 +428,34 @@ def build_spec(
         dfs_schedule=platform == "cpu" and xla_cpu_dfs_scheduler(),
     )
     return spec, unmeasured
+
+
+def aliased_loop_text(spec: ClusterSpec) -> str:
+    """How `spec` prices element-wise loops fused into transposing copies, in words."""
+    if spec.aliased_loop_s_at(0) is None:
+        return "priced as any copy (no aliasing stride measured)"
+    low, high = ALIASED_LOOP_LINES
+    return (
+        f"at a row stride of {spec.aliasing_stride:.0f} B, "
+        f"{spec.aliased_loop_s_at(low) * 1e9:.2f} ns per element and array at {low} lines in "
+        f"flight, {spec.aliased_loop_s_at(high) * 1e9:.2f} ns at {high}"
+    )
+
+
+def l1_set_span() -> float | None:
+    """Bytes a CPU's L1 data cache spans with one line per set (its size over its ways), as
+    Linux's sysfs gives cpu0's; None where it does not: rows that far apart share a set."""
+    for index in sorted(_CACHE_INFO.glob("index*")):
+        try:
+            fields = {f: (index / f).read_text().strip() for f in ("level", "type", "size")}
+            ways = int((index / "ways_of_associativity").read_text())
+        except (OSError, ValueError):
+            continue
+        size = fields["size"]
+        if fields["level"] != "1" or fields["type"] != "Data" or not size.endswith("K"):
+            continue
+        return float(int(size[:-1]) * 1024 // ways) if ways > 0 else None
+    return None
 
 
 def _fresh(spec: ClusterSpec) -> str:
@@ -530,6 +570,9 @@ def measure_cluster(devices: Any = None, *, sizes: ProfileSizes | None = None) -
         rates.append(measure_window_reduction(local, sizes))
         rates.append(measure_select_and_scatter(local, sizes))
         rates.append(measure_select_and_scatter(local, sizes, cached=True))
+        stride = l1_set_span() if local[0].platform == "cpu" else None
+        for many_lines in (False, True):
+            rates.append(measure_aliased_loop(local, sizes, stride, stream.bytes_per_s, many_lines))
         bar.update()
         collectives = measure_collectives(*physical_mesh(devices), sizes, bar.update)
     finally:

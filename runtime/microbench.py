@@ -1,6 +1,7 @@
 """Micro-benchmarks behind `autopar.profile_cluster`: matmuls, a streaming kernel, the kernel
 floor, the op classes with rates of their own (transcendentals, convolutions, minor-dimension
-transposes, weight gradients, a GPU's column reductions, max pools and their gradients), the
+transposes, weight gradients, a GPU's column reductions, max pools and their gradients, a CPU's
+element-wise loops fused into transposing copies at an aliasing stride), the
 host's cost to launch a program, and collectives, timed on the devices themselves.
 
 Compute runs on every local device at once (`shard_map` over them, no communication), so a
@@ -35,7 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.planner.cluster import SELECT_AND_SCATTER_BYTES, TRANSPOSED_MATMUL_COLUMNS
+from autopar.planner.cluster import (
+    ALIASED_LOOP_LINES,
+    SELECT_AND_SCATTER_BYTES,
+    TRANSPOSED_MATMUL_COLUMNS,
+)
 from autopar.planner.cost import Collective
 from autopar.planner.errors import InvalidArgumentError
 
@@ -224,6 +229,10 @@ class RateKind(enum.Enum):
     SELECT_AND_SCATTER = "select and scatter"  # a 3x3 max pool's gradient: windows per second
     # the same over an operand the caches hold: windows per second
     CACHED_SELECT_AND_SCATTER = "cached select and scatter"
+    # elements x arrays read per second of an element-wise loop that XLA:CPU fuses into a
+    # transposing copy at an aliasing row stride, at `ALIASED_LOOP_LINES[0]` lines in flight
+    ALIASED_LOOP = "aliased loop"
+    MANY_LINES_ALIASED_LOOP = "many lines aliased loop"  # the same at `ALIASED_LOOP_LINES[1]`
 
     @property
     def spec_field(self) -> str:
@@ -239,6 +248,8 @@ class RateKind(enum.Enum):
             "window reduction": "window_reduction_rate",
             "select and scatter": "select_and_scatter_rate",
             "cached select and scatter": "cached_select_and_scatter_rate",
+            "aliased loop": "aliased_loop_rate",
+            "many lines aliased loop": "many_lines_aliased_loop_rate",
         }[self.value]
 
 
@@ -588,6 +599,71 @@ def measure_transposed_matmul(
         return RateTiming(kind, 2 * rows * _GRAD_SIDE * columns, seconds)
 
     return _grown(time_at, _GRAD_ROWS, sizes)
+
+
+# An element-wise loop that XLA:CPU fuses into a transposing copy, as an MoE expert layer's
+# activations get one: per device, experts' [rows, `_LOOP_MODEL`] tokens times [`_LOOP_MODEL`,
+# columns] weights, one dot per array the loop reads (so that XLA packs the arrays back to back,
+# as a step's temporaries), their product transposed to [columns, rows]. (rows, arrays) at each
+# of `ALIASED_LOOP_LINES`.
+_LOOP_MODEL = 128
+_ALIASED_LOOPS = tuple(
+    (lines // arrays, arrays) for lines, arrays in zip(ALIASED_LOOP_LINES, (2, 3), strict=True)
+)
+
+
+def _least_call_s(compiled: Any, args: Sequence[jax.Array], repeats: int) -> float:
+    """Least wall time of `repeats` waited calls `compiled(*args)`, after one to warm up."""
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_aliased_loop(
+    devices: Sequence[jax.Device],
+    sizes: ProfileSizes,
+    stride: float | None,
+    stream_bytes_per_s: float,
+    many_lines: bool = False,
+) -> RateTiming:
+    """The loop of `_ALIASED_LOOPS[many_lines]` with rows `stride` bytes apart (columns of
+    float32), as many experts as make each array about an eighth of `sizes.stream_bytes`:
+    elements x arrays read per second. Its time is the program's against the same program with
+    the loop untransposed, plus what that streaming loop takes at `stream_bytes_per_s` (it
+    reads the arrays and writes the result once). Only on a CPU whose cache geometry gave a
+    `stride`: otherwise seconds 0, no rate."""
+    kind = RateKind.MANY_LINES_ALIASED_LOOP if many_lines else RateKind.ALIASED_LOOP
+    rows, arrays = _ALIASED_LOOPS[many_lines]
+    if devices[0].platform != "cpu" or stride is None:
+        return RateTiming(kind, rows * arrays, 0.0)
+    mesh, d = _local_mesh(devices), len(devices)
+    columns = int(stride) // 4
+    experts = max(1, sizes.stream_bytes // (8 * 4 * rows * columns))
+    x = _filled(mesh, (d * experts, rows, _LOOP_MODEL), jnp.float32, 0.5)
+    weights = [
+        _filled(mesh, (d * experts, _LOOP_MODEL, columns), jnp.float32, 0.01 * (i + 1))
+        for i in range(arrays)
+    ]
+
+    def program(transposed: bool) -> Any:
+        def body(x, *weights):
+            product = jnp.einsum("erm,emf->erf", x, weights[0]) * 0.5
+            for w in weights[1:]:
+                product = product * (1.0 + jnp.einsum("erm,emf->erf", x, w))
+            return jnp.swapaxes(product, 1, 2) if transposed else product
+
+        return _compiled(_per_device(mesh, 1 + arrays)(body), x, weights, donated=False)
+
+    repeats = 4 * sizes.repeats
+    transposed_s = _least_call_s(program(True), (x, *weights), repeats)
+    streaming_s = _least_call_s(program(False), (x, *weights), repeats)
+    elements = experts * rows * columns
+    seconds = transposed_s - streaming_s + 4 * elements * (arrays + 1) / stream_bytes_per_s
+    return RateTiming(kind, elements * arrays, max(0.0, seconds))
 
 
 def measure_fresh_memory(

@@ -32,6 +32,7 @@ from autopar.runtime.cluster_profile import (
     build_spec,
     fit_all_to_all,
     fit_link,
+    l1_set_span,
     matmul_efficiency,
     measure_cluster,
     predicted_collective_s,
@@ -87,6 +88,10 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
     assert 1e3 < spec.select_and_scatter_rate < 1e12  # windows/s
     assert 1e3 < spec.cached_select_and_scatter_rate < 1e12
     assert spec.fresh_memory_rate is None or 1e6 < spec.fresh_memory_rate < 1e13
+    if spec.aliasing_stride is not None:  # a Linux host's L1 data cache, size over ways
+        assert 64 <= spec.aliasing_stride <= 64 * KIB
+        assert 1e6 < spec.many_lines_aliased_loop_rate < 1e13  # elements x arrays / s
+        assert 1e6 < spec.aliased_loop_rate < 1e13
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14
 
@@ -116,8 +121,10 @@ def test_each_op_class_rate_sets_its_spec_field(one):
     or the streaming bandwidth would not give: these ops run at rates of their own."""
     assert [t.kind for t in one.rates] == list(RateKind)
     for t in one.rates:
-        if t.kind in (RateKind.COLUMN_REDUCTION, RateKind.COLUMN_REDUCTION_ARRAY):
-            assert t.seconds == 0 and getattr(one.spec, t.kind.spec_field) is None  # GPU only
+        gpu_only = t.kind in (RateKind.COLUMN_REDUCTION, RateKind.COLUMN_REDUCTION_ARRAY)
+        aliased = t.kind in (RateKind.ALIASED_LOOP, RateKind.MANY_LINES_ALIASED_LOOP)
+        if gpu_only or (aliased and l1_set_span() is None):  # no cache geometry to read
+            assert t.seconds == 0 and getattr(one.spec, t.kind.spec_field) is None
             continue
         assert t.work > 0 and t.seconds > 0
         rate = t.work / t.seconds
@@ -126,6 +133,8 @@ def test_each_op_class_rate_sets_its_spec_field(one):
         assert getattr(one.spec, t.kind.spec_field) == rate
     assert "transcendentals" in one.summary()
     assert "column reductions: at the memory bandwidth (not measured)" in one.summary()
+    assert "loops fused into transposing copies:" in one.summary()
+    assert one.spec.aliasing_stride == l1_set_span()
 
 
 def test_a_transpose_is_never_priced_faster_than_the_streaming_kernel(one):
@@ -195,6 +204,33 @@ def test_the_kernel_timing_splits_off_what_moved_buffers_add_per_kernel(one):
     assert made_up.update_per_kernel_s == pytest.approx(2e-6)
     assert KernelTiming(11, 10e-6, 30e-6, 15e-6, 30e-6).update_per_kernel_s == 0.0  # noise
     assert "per kernel where the buffers moved" in one.summary()
+
+
+def test_the_l1_set_span_is_read_off_sysfs(tmp_path, monkeypatch):
+    """A 48 KiB 12-way L1 data cache spans 4 KiB with one line per set; no such cache, or a
+    sysfs that says nothing usable: None (loops at aliasing strides are then priced as any
+    copy)."""
+
+    def cache(index: int, level: int, kind: str, size: str, ways: str) -> None:
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (
+            ("level", level),
+            ("type", kind),
+            ("size", size),
+            ("ways_of_associativity", ways),
+        ):
+            (folder / name).write_text(f"{value}\n")
+
+    monkeypatch.setattr(cluster_profile, "_CACHE_INFO", tmp_path)
+    assert l1_set_span() is None
+    cache(0, 1, "Instruction", "32K", "8")
+    cache(1, 2, "Unified", "1024K", "16")
+    assert l1_set_span() is None
+    cache(2, 1, "Data", "48K", "12")
+    assert l1_set_span() == 4096
+    (tmp_path / "index2" / "ways_of_associativity").write_text("fully\n")
+    assert l1_set_span() is None
 
 
 def test_one_device_has_no_link_and_says_so(one):

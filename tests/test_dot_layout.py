@@ -3,6 +3,7 @@ matrices, checked on einsums whose HLO shows them, and what the roofline charges
 CPU (nothing on a GPU)."""
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 import autopar
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.dot_layout import layout_copies
+from autopar.planner.dot_layout import layout_copies, swaps_free_dims
 from autopar.planner.graph import build_graph
 
 CPU = dataclasses.replace(ClusterSpec.local(1), transpose_bandwidth=2e9)
@@ -66,26 +67,83 @@ def test_operands_copied_into_plain_matrices(fun, operands, copied):
     assert found == copied
 
 
-def test_a_result_transposed_by_swapping_its_operands_copies_the_other_side():
-    """(x^T·y)^T over two contracting dims: XLA computes y^T·x, so y is the operand laid out
-    as a lhs, and it is y that is copied; the transpose after the dot is free."""
-    x, y = BSHD.update(shape=(B, S, 64)), BSHD.update(shape=(B, S, 32))
-    graph, (dot,) = _dots(lambda x, y: jnp.einsum("bsk,bsm->km", x, y).T, (x, y))
-    assert {c.position: c.order for c in layout_copies(graph, dot)} == {1: (2, 0, 1)}
+# name: (function of two operands, operands): XLA:CPU copies the jaxpr's lhs into matmul order
+# whether or not it then swaps the operands to write the result transposed
+LHS_COPIED = {
+    "(x^T·y)^T over two contracting dims": (
+        lambda x, y: jnp.einsum("bsk,bsm->km", x, y).T,
+        (BSHD.update(shape=(B, S, 64)), BSHD.update(shape=(B, S, 32))),
+    ),
+    "a batched weight gradient, transposed (an MoE expert's)": (
+        lambda dz, x: jnp.transpose(
+            jax.lax.dot_general(dz, x, (((1, 2), (1, 2)), ((0,), (0,)))), (0, 2, 1)
+        ),
+        (BSHD.update(shape=(4, 8, 16, 64)), BSHD.update(shape=(4, 8, 16, 32))),
+    ),
+}
 
 
-def _hlo_copies(fun, operands) -> int:
-    """Copy kernels in the entry computation of `fun` compiled for this CPU."""
+def _hlo_copy_sizes(fun, operands) -> list[int]:
+    """Elements of each copy kernel in the entry computation of `fun` compiled for this CPU."""
     text = jax.jit(fun).lower(*operands).compile().as_text()
     entry = text[text.index("ENTRY") :]
-    names = re.findall(r"^\s+%?([\w.\-]+) = ", entry, re.M)
-    return sum("copy" in n or "transpose" in n for n in names)
+    kernel = r"^\s+(?:ROOT )?%?[\w.\-]*(?:copy|transpose)[\w.\-]* = \w+\[([\d,]*)\]"
+    shapes = re.findall(kernel, entry, re.M)
+    return sorted(math.prod(int(d) for d in shape.split(",")) for shape in shapes)
+
+
+@pytest.mark.parametrize("fun, operands", LHS_COPIED.values(), ids=LHS_COPIED.keys())
+def test_the_jaxprs_lhs_is_copied_even_where_xla_swaps_the_operands(fun, operands):
+    graph, (dot,) = _dots(fun, operands)
+    (copy,) = layout_copies(graph, dot)
+    assert copy.position == 0
+    assert _hlo_copy_sizes(fun, operands) == [dot.in_avals[0].size]
+
+
+def test_a_result_transposed_is_free_only_where_each_side_has_one_free_dim():
+    """XLA writes 'bqk,bkd->bqd' transposed by swapping its operands, but copies the result of
+    'bsk,km->bsm' transposed to 'mbs' (it merges b and s first)."""
+    p, v = BSHD.update(shape=(B, S, 64)), BSHD.update(shape=(B, 64, 16))
+    x, w = BSHD.update(shape=(B, S, 64)), MATRIX.update(shape=(64, 128))
+    cases = [
+        (lambda p, v: jnp.einsum("bqk,bkd->bqd", p, v).transpose(0, 2, 1), (p, v), True),
+        (lambda x, w: jnp.einsum("bsk,km->bsm", x, w).transpose(2, 0, 1), (x, w), False),
+    ]
+    for fun, operands, free in cases:
+        graph, (dot,) = _dots(fun, operands)
+        (transpose,) = [n for n in graph.nodes if n.primitive == "transpose"]
+        assert swaps_free_dims(dot, transpose.params["permutation"]) is free
+        assert _hlo_copy_sizes(fun, operands) == ([] if free else [dot.out_avals[0].size])
+
+
+def test_a_fusion_writes_a_copied_operand_unless_a_reduction_reads_it():
+    """The element-wise gradient of a weight gradient's lhs, from two arrays: XLA fuses its loop
+    into the copy (the copy kernel reads both), except where a bias gradient also reduces it
+    (the copy reads the gradient, written once)."""
+    x, g = BSHD.update(shape=(B, S, 32)), BSHD.update(shape=(B, S, 64))
+    dims = (((0, 1), (0, 1)), ((), ()))
+
+    def weight_gradient(g, h, x):
+        return jax.lax.dot_general(jnp.tanh(g) * h, x, dims)
+
+    def with_bias(g, h, x):
+        dz = jnp.tanh(g) * h
+        return jax.lax.dot_general(dz, x, dims), dz.sum((0, 1))
+
+    for fun, fused, operands_read in ((weight_gradient, True, 2), (with_bias, False, 1)):
+        graph, (dot,) = _dots(fun, (g, g, x))
+        (copy,) = layout_copies(graph, dot)
+        assert copy.written_by_fusion is fused
+        text = jax.jit(fun).lower(g, g, x).compile().as_text()
+        entry = text[text.index("ENTRY") :]
+        (copied,) = re.findall(r"%copy\S*fusion\S* = \S+ fusion\(([^)]*)\)", entry)
+        assert len(copied.split(",")) == operands_read
 
 
 @pytest.mark.parametrize("name", ["heads after the sequence: both copied", "heads first: none"])
 def test_xla_cpu_makes_the_copies_predicted(name):
     fun, operands, copied = CASES[name]
-    assert _hlo_copies(fun, operands) == len(copied)
+    assert len(_hlo_copy_sizes(fun, operands)) == len(copied)
 
 
 def _compute_s(fun, operands, spec: ClusterSpec) -> float:

@@ -15,6 +15,8 @@ import pytest
 import autopar
 from autopar.models import MLPConfig, abstract_train_inputs, gpt, mlp
 from autopar.planner.cluster import PRESETS, ClusterSpec
+from autopar.planner.graph import build_graph
+from autopar.planner.groups import group_graph
 from autopar.planner.plan import Plan
 from autopar.planner.roofline import Roofline, op_time
 
@@ -31,6 +33,7 @@ _FORMAT_13_FIELDS = ("column_reduction_rate",)
 _FORMAT_14_FIELDS = ("column_reduction_array_rate",)
 _FORMAT_15_FIELDS = ("window_reduction_rate", "select_and_scatter_rate", "dfs_schedule")
 _FORMAT_16_FIELDS = ("narrow_transposed_matmul_flops", "cached_select_and_scatter_rate")
+_FORMAT_17_FIELDS = ("aliasing_stride", "aliased_loop_rate", "many_lines_aliased_loop_rate")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -47,6 +50,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_14_FIELDS,
     *_FORMAT_15_FIELDS,
     *_FORMAT_16_FIELDS,
+    *_FORMAT_17_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -93,6 +97,9 @@ def test_peak_depends_on_dtype_and_precision():
         ("select_and_scatter_rate", float("inf")),
         ("narrow_transposed_matmul_flops", 0.0),
         ("cached_select_and_scatter_rate", -1.0),
+        ("aliasing_stride", 0.0),
+        ("aliased_loop_rate", -1.0),
+        ("many_lines_aliased_loop_rate", float("nan")),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
@@ -379,6 +386,61 @@ def test_the_ilp_prices_a_weight_gradient_by_its_columns_per_device(monkeypatch)
     assert {128.0, 256.0} <= seen
 
 
+# 1 ns per element and array read at 512 lines in flight, 3 ns at 1536, 4 KiB set span
+ALIASED = dataclasses.replace(
+    CPU, aliasing_stride=4096, aliased_loop_rate=1e9, many_lines_aliased_loop_rate=1e9 / 3
+)
+
+
+def test_an_aliased_loop_slows_with_its_lines_in_flight():
+    """The first measured point's time up to its lines, then linear through both; None where a
+    figure is missing."""
+    at = [ALIASED.aliased_loop_s_at(lines) for lines in (256, 512, 1024, 1536, 2048)]
+    assert at == pytest.approx([1e-9, 1e-9, 2e-9, 3e-9, 4e-9])
+    for field in ("aliasing_stride", "aliased_loop_rate", "many_lines_aliased_loop_rate"):
+        assert dataclasses.replace(ALIASED, **{field: None}).aliased_loop_s_at(512) is None
+
+
+def _expert_output(width: int):
+    """'egch,ehm->gecm' over h = a * b (an MoE expert layer's second einsum over its
+    activation, two arrays read): XLA:CPU copies h to [e, h, g, c] with the product fused in,
+    walking g x c = 512 rows per output row, `width` floats apart."""
+    a = jax.ShapeDtypeStruct((4, 16, 32, width), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, width, 8), jnp.float32)
+
+    def step(w, xs):
+        return w, jnp.einsum("egch,ehm->gecm", xs[0] * xs[1], w)
+
+    return step, w, (a, a)
+
+
+@pytest.mark.parametrize("width, aliased", [(1024, True), (1000, False)])
+def test_a_loop_fused_into_a_copy_at_an_aliasing_stride_is_priced_by_its_lines(width, aliased):
+    """At 1024 floats (4 KiB) the copy's loop reads 2 arrays over 512 rows, 1024 lines in
+    flight: 2 ns per element and array, instead of the transpose rate; at 1000 floats it is
+    priced as any copy."""
+    step, w, xs = _expert_output(width)
+    elements = xs[0].size
+    copy_s = 2 * elements * 4 / CPU.transpose_bandwidth
+    law_s = elements * 2 * ALIASED.aliased_loop_s_at(1024)
+    extra = _compute_s(step, w, xs, ALIASED) - _compute_s(step, w, xs, CPU)
+    assert extra == pytest.approx(law_s - copy_s if aliased else 0.0, abs=1e-9)
+
+
+def test_the_roofline_reads_an_aliased_loops_rows_and_arrays():
+    """512 rows (g x c) walked per output row, the 2 arrays the product reads; a GPU copies
+    nothing, and a spec without the loop rates prices no such loop."""
+    step, w, xs = _expert_output(1024)
+    grouping = group_graph(build_graph(jax.make_jaxpr(step)(w, xs)))
+    (dot,) = [n for n in grouping.graph.nodes if n.primitive == "dot_general"]
+    roofline = Roofline(grouping, frozenset(), ALIASED)
+    (copy,) = roofline.layout_copies(dot)[0]
+    assert roofline.aliased_loop(dot, copy) == (512, 2)
+    assert Roofline(grouping, frozenset(), CPU).aliased_loop(dot, copy) is None
+    gpu = dataclasses.replace(ALIASED, platform="gpu")
+    assert Roofline(grouping, frozenset(), gpu).layout_copies(dot)[0] == ()
+
+
 RAMP = ((1e6, 0.25), (1e8, 0.75))  # a quarter of the peak at 1 MFLOP, three quarters at 100
 
 
@@ -531,9 +593,10 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (12, (*_FORMAT_13_FIELDS, *_FORMAT_14_FIELDS)),
         (13, (*_FORMAT_14_FIELDS, *_FORMAT_15_FIELDS)),
         (14, (*_FORMAT_15_FIELDS, *_FORMAT_16_FIELDS)),
-        (15, _FORMAT_16_FIELDS),
+        (15, (*_FORMAT_16_FIELDS, *_FORMAT_17_FIELDS)),
+        (16, _FORMAT_17_FIELDS),
     ],
-    ids=[f"format {v}" for v in range(6, 16)],
+    ids=[f"format {v}" for v in range(6, 17)],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
