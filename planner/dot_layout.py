@@ -59,9 +59,9 @@ class OperandLayout:
 class LayoutCopy:
     """A copy XLA makes of operand `position` of a contraction (None: of its result, into the
     layout the jaxpr asks for): `source` laid out as `order` (dim i of the copy is dim order[i]
-    of `source`). `strided` when the minor dim moves. Where an element-wise fusion writes the
-    operand and no reduction reads it (`written_by_fusion`), XLA fuses that loop into the copy:
-    no buffer of its own, a strided pass over what the fusion reads."""
+    of `source`). `strided` when the minor dim moves. `written_by_fusion` where XLA fuses the
+    element-wise loop that writes the operand into the copy (`_loop_fuses_into_copy`): no
+    buffer of its own, a strided pass over what that loop reads."""
 
     position: int | None
     source: ValueRef | None
@@ -134,7 +134,7 @@ def _loop_fuses_into_copy(graph: OpGraph, source: ValueRef) -> bool:
         (p := graph.producer(ref)) is not None and p.primitive == "scatter-add"
         for ref in producer.inputs
     ):
-        return False  # XLA scatters into the other addend in place: a cross-entropy's gradient
+        return False
     readers = [graph.node(r).primitive for r, _ in graph.consumers(source.node)]
     if any(r in _REDUCTIONS for r in readers):
         return False
