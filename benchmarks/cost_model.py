@@ -128,7 +128,7 @@ def _time_steps(step, args) -> tuple[float, tuple]:
             return statistics.median(times), args
 
 
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
+def busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of (start, end) intervals."""
     busy, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
@@ -177,7 +177,7 @@ def _device_busy_s(step, args, steps: int = 3) -> float | None:
         for e in events
         if e.get("ph") == "X" and e.get("pid") in devices
     ]
-    return _busy_us(spans) * 1e-6 / steps if spans else None
+    return busy_us(spans) * 1e-6 / steps if spans else None
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -316,10 +316,24 @@ def main() -> None:
     _write(spec, profile, rows, tau, coll, described, "cost_model" if on_cpu else "cost_model_gpu")
 
 
+def one_cpu_device() -> str:
+    """The device the CPU benchmarks time on, in their results' words."""
+    import jax
+
+    return f"one real CPU device ({jax.devices()[0].device_kind}), {os.cpu_count()} CPUs"
+
+
+def save_results(stem: str, data: dict, lines: list[str]) -> None:
+    """A benchmark's results: `data` as benchmarks/results/{stem}.json, `lines` as its .md."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / stem}.json and .md")
+
+
 def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
     from autopar.runtime.cluster_profile import aliased_loop_text, efficiency_text
 
-    RESULTS.mkdir(exist_ok=True)
     data = {
         "device": f"one real {device}",
         "profile": profile.to_dict(),
@@ -328,7 +342,6 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         "within_25_percent": sum(0.75 <= r.ratio <= 1.25 for r in rows),
         "collectives_8_simulated_devices": coll,
     }
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Cost model against measured step times",
         "",
@@ -413,8 +426,7 @@ def _write(spec, profile, rows, tau, coll, device: str, stem: str) -> None:
         lines += _split_lines(rows)
     if coll is not None:
         lines += _collective_lines(coll)
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / stem}.md")
+    save_results(stem, data, lines)
 
 
 def _split_lines(rows: list[Row]) -> list[str]:

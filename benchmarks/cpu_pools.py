@@ -21,18 +21,16 @@ Writes benchmarks/results/cpu_pools.{json,md}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import pathlib
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from cost_model import one_cpu_device, save_results  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 ROUNDS, CALLS = 5, 10
 # (window, stride, padding): a ResNet's pool, a VGG's, and one that keeps its operand's shape
 WINDOWS = [
@@ -128,14 +126,11 @@ def main() -> None:
     for r in rows:
         rate = spec.select_and_scatter_rate_at(r["operand_mib"] * 2**20)
         r["priced_ns_per_window"] = 1e9 / rate
-    device = jax.devices()[0].device_kind
     data = {
-        "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
+        "device": one_cpu_device(),
         "profile": profile,
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_pools.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Max pools and their gradients on XLA:CPU",
         "",
@@ -160,7 +155,7 @@ def main() -> None:
             f"{r['windows']} | {r['gradient_ms']:.2f} | {r['gradient_ns_per_window']:.1f} | "
             f"{r['priced_ns_per_window']:.1f} | {pool} |"
         )
-    (RESULTS / "cpu_pools.md").write_text("\n".join(lines) + "\n")
+    save_results("cpu_pools", data, lines)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ Writes benchmarks/results/cpu_transposes.{json,md}.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import pathlib
 import re
 import time
 
@@ -52,8 +50,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from cost_model import busy_us, one_cpu_device, profiler_events, save_results  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 REPEATS = 20
 STEPS, ROUNDS = 15, 3
 MOE = (4, 16, 32, 1024)  # (experts, groups, capacity, ffn) of the cost-model zoo's MoE
@@ -199,8 +197,6 @@ def _kernel_times(jitted, *args) -> dict[str, tuple[float, float, float]]:
     """Each kernel's least and mean time in microseconds over `STEPS` profiled calls, and the
     share of its time another kernel ran beside it: XLA:CPU runs independent kernels side by
     side on its threads, and a kernel's time in the trace is then not its own."""
-    from cost_model import _busy_us, profiler_events
-
     for _ in range(3):
         jax.block_until_ready(jitted(*args))
 
@@ -222,7 +218,7 @@ def _kernel_times(jitted, *args) -> dict[str, tuple[float, float, float]]:
         ]
         least[e["name"]] = min(least.get(e["name"], math.inf), e["dur"])
         shared = beside.setdefault(e["name"], [0.0, 0.0, 0])
-        shared[0] += _busy_us(overlaps)
+        shared[0] += busy_us(overlaps)
         shared[1] += e["dur"]
         shared[2] += 1
     return {n: (least[n], t / c, b / t if t else 0.0) for n, (b, t, c) in beside.items()}
@@ -343,17 +339,14 @@ def main() -> None:
     for r in control:
         each = ", ".join(f"{us:.0f}" for us in r["kernel_us"])
         print(f"six matmuls, {r['case']}: {each} us in the trace, the jit {r['ms']:.2f} ms")
-    RESULTS.mkdir(exist_ok=True)
-    device = jax.devices()[0].device_kind
     data = {
-        "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
+        "device": one_cpu_device(),
         "rows": rows,
         "expert_layer": experts,
         "transposing_kernels": kernels,
         "side_by_side_control": control,
         "lines_law_ns": {"a": a, "b": b},
     }
-    (RESULTS / "cpu_transposes.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Transposing element-wise kernels on XLA:CPU",
         "",
@@ -410,7 +403,7 @@ def main() -> None:
     for r in control:
         each = ", ".join(f"{us:.0f}" for us in r["kernel_us"])
         lines.append(f"| {r['case']} | {each} | {r['share_beside']:.0%} | {r['ms']:.2f} |")
-    (RESULTS / "cpu_transposes.md").write_text("\n".join(lines) + "\n")
+    save_results("cpu_transposes", data, lines)
 
 
 if __name__ == "__main__":

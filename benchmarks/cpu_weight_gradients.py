@@ -16,17 +16,15 @@ Writes benchmarks/results/cpu_weight_gradients.{json,md}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pathlib
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from cost_model import one_cpu_device, save_results  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 ROUNDS, CALLS = 7, 10
 LHS_COLUMNS = 256
 ROWS = (4096, 16384)
@@ -70,14 +68,11 @@ def main() -> None:
         rows.append(row)
         measured = " ".join(f"{row[f'gflops_{r}_rows']:6.1f}" for r in ROWS)
         print(f"{n:5} columns: {measured} GFLOP/s, law {row['law_gflops']:6.1f}", flush=True)
-    device = jax.devices()[0].device_kind
     data = {
-        "device": f"one real CPU device ({device}), {os.cpu_count()} CPUs",
+        "device": one_cpu_device(),
         "profile": profile,
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_weight_gradients.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# Weight gradients on XLA:CPU by the width of their result",
         "",
@@ -95,7 +90,7 @@ def main() -> None:
     for row in rows:
         measured = " | ".join(f"{row[f'gflops_{r}_rows']:.1f}" for r in ROWS)
         lines.append(f"| {row['columns']} | {measured} | {row['law_gflops']:.1f} |")
-    (RESULTS / "cpu_weight_gradients.md").write_text("\n".join(lines) + "\n")
+    save_results("cpu_weight_gradients", data, lines)
 
 
 if __name__ == "__main__":
