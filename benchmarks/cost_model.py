@@ -17,7 +17,9 @@ and copies keep it busy), against the predicted compute: what is left of the ste
 (Python, JAX's dispatch, XLA's launch), against the predicted launch cost.
 
 Part 2, on 8 simulated CPU devices (a subprocess): the collectives that `profile_cluster()`
-timed to fit α and β, each predicted from the fitted figures against its own measurement.
+timed to fit its link (latency, bandwidth, and the bandwidth within the cache), each predicted
+from the fitted figures against its own measurement; then collectives of 32 and 64 MiB, beyond
+the sizes it fits to, against the same figures.
 
     python benchmarks/cost_model.py                      # one CPU device
     JAX_PLATFORMS=cuda python benchmarks/cost_model.py   # one GPU (part 1 only: no collectives)
@@ -52,6 +54,9 @@ STEPS, MAX_STEPS, MIN_TIMED_S = 15, 1000, 1.0
 WARMUP = 3
 ROUNDS = 3  # each model's measured step: the least of its medians over the rounds
 COLLECTIVES_FLAG = "--collectives"
+# Collectives timed beyond the sizes the profile fits to (it stops where a run would take
+# 50 ms: 16 MiB on a 2-core host), to show how its link extrapolates
+BEYOND_PROFILE_BYTES = (32 * 2**20, 64 * 2**20)
 
 
 def _bundled(module, config, batch_size: int):
@@ -272,24 +277,30 @@ def collectives() -> dict:
 
 
 def _collectives_here() -> None:
+    import jax
+
     from autopar.runtime.cluster_profile import measure_cluster, predicted_collective_s
+    from autopar.runtime.microbench import ProfileSizes, measure_collectives, physical_mesh
 
     profile = measure_cluster()
     spec = profile.spec
-    rows = []
-    for m in profile.collectives:
+    mesh, axes = physical_mesh(jax.devices())
+    larger = ProfileSizes(collective_bytes=BEYOND_PROFILE_BYTES, max_run_s=10.0)
+    beyond = measure_collectives(mesh, axes, larger, tick=lambda: None)
+
+    def row(m) -> dict:
         predicted = predicted_collective_s(spec, m)
-        rows.append(
-            {
-                "kind": m.kind.value,
-                "num_bytes": m.num_bytes,
-                "num_devices": m.num_devices,
-                "seconds": m.seconds,
-                "predicted_s": predicted,
-                "ratio": predicted / m.seconds,
-            }
-        )
-    print(json.dumps({"spec": spec.to_dict(), "rows": rows}))
+        return {
+            "kind": m.kind.value,
+            "num_bytes": m.num_bytes,
+            "num_devices": m.num_devices,
+            "seconds": m.seconds,
+            "predicted_s": predicted,
+            "ratio": predicted / m.seconds,
+        }
+
+    rows = [row(m) for m in profile.collectives]
+    print(json.dumps({"spec": spec.to_dict(), "rows": rows, "beyond": [row(m) for m in beyond]}))
 
 
 def main() -> None:
@@ -457,23 +468,44 @@ def _split_lines(rows: list[Row]) -> list[str]:
 
 
 def _collective_lines(coll: dict) -> list[str]:
-    lines = [
+    spec = coll["spec"]
+    link = (
+        f"latency {spec['intra_host_latency'] * 1e6:.0f} µs, bus bandwidth "
+        f"{spec['intra_host_bandwidth'] / 1e9:.2f} GB/s"
+    )
+    if spec["cached_intra_host_bandwidth"] is not None:
+        link += (
+            f" ({spec['cached_intra_host_bandwidth'] / 1e9:.2f} GB/s for the bytes whose "
+            f"buffers fit in {spec['collective_cache_bytes'] / 2**20:.3g} MiB of last-level "
+            "cache per device)"
+        )
+    within = sum(0.7 <= c["ratio"] <= 1.3 for c in coll["rows"])
+    return [
         "",
         "## Collectives on 8 simulated CPU devices",
         "",
-        "Each collective `profile_cluster()` timed, predicted with the α and β it fitted to "
-        "all-reduce, all-gather and reduce-scatter (all-to-all: times its fitted "
-        f"`all_to_all_factor`, {coll['spec']['all_to_all_factor']:.2f}).",
+        "Each collective `profile_cluster()` timed, predicted with the link it fitted to "
+        f"all-reduce, all-gather and reduce-scatter ({link}; all-to-all: times its fitted "
+        f"`all_to_all_factor`, {spec['all_to_all_factor']:.2f}). "
+        f"**{within}/{len(coll['rows'])} within ±30%**.",
         "",
+        *_collective_table(coll["rows"]),
+        "",
+        "Beyond the sizes the profile fitted to, the same link's predictions (not fitted):",
+        "",
+        *_collective_table(coll["beyond"]),
+    ]
+
+
+def _collective_table(rows: list[dict]) -> list[str]:
+    return [
         "| collective | bytes | devices | predicted | measured | ratio |",
         "|---|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
+    ] + [
         f"| {c['kind']} | {c['num_bytes']:.0f} | {c['num_devices']} | "
         f"{c['predicted_s'] * 1e6:.1f} µs | {c['seconds'] * 1e6:.1f} µs | {c['ratio']:.2f} |"
-        for c in coll["rows"]
+        for c in rows
     ]
-    return lines
 
 
 if __name__ == "__main__":

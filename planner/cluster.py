@@ -91,6 +91,14 @@ All-to-alls follow Alpa's formula, fitted to V100s and NVLink; where they run sl
 on the link the other collectives measure (XLA:CPU's all-to-all), `all_to_all_factor` scales
 its bytes term (`autopar.profile_cluster()` fits it; 1 in the presets).
 
+XLA:CPU's collectives between simulated devices copy through the host's caches, and slow down
+once their buffers outgrow them: on a 2-core host with a 32 MiB last-level cache, 8 devices
+all-gathered at 4.4 GB/s (bus bandwidth) up to 4 MiB and at 3.0 GB/s from 8 MiB. Where a spec
+gives `cached_intra_host_bandwidth`, the share of a collective's bytes whose buffers fit in
+`collective_cache_bytes` per device (the last-level cache over the host's devices) moves at it
+and the rest at `intra_host_bandwidth` (`autopar.planner.cost`); None (GPUs, the presets): one
+bandwidth at every size.
+
 Bandwidths are *bus bandwidths* as NCCL reports them, so that the α-β formulas in
 `autopar.planner.cost` apply directly. `inter_host_bandwidth` is the share **one device** gets
 when every device of a host talks across hosts at once (host NIC bandwidth / devices_per_host),
@@ -138,6 +146,8 @@ _OPTIONAL_POSITIVE_FIELDS = (
     "aliasing_stride",
     "aliased_loop_rate",
     "many_lines_aliased_loop_rate",
+    "collective_cache_bytes",
+    "cached_intra_host_bandwidth",
 )
 _FRACTION_FIELDS = ("compute_efficiency", "memory_efficiency")
 GLIBC_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
@@ -247,6 +257,11 @@ class ClusterSpec:
     buffer_overhead_s: float = 0.0  # host time each input or output buffer adds to a launch
     kernel_update_s: float = 0.0  # host time each kernel adds to a launch whose buffers moved
     all_to_all_factor: float = 1.0  # all-to-all time over its α-β formula's bytes term
+    # bytes per device of the host's last-level cache (its size over the host's devices); a
+    # collective's buffers within it move at cached_intra_host_bandwidth (bytes/s); None: the
+    # link's bandwidth at every size
+    collective_cache_bytes: float | None = None
+    cached_intra_host_bandwidth: float | None = None
     # (FLOPs, fraction of the peak) of matmuls by size, FLOPs increasing; () : every size at peak
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     # XLA:CPU schedules with its DFS memory scheduler (`xla_cpu_dfs_scheduler`); False: in
@@ -281,6 +296,12 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
             object.__setattr__(self, field, float(value))
         object.__setattr__(self, "matmul_efficiency", _checked_curve(self.matmul_efficiency))
+        if (self.collective_cache_bytes is None) != (self.cached_intra_host_bandwidth is None):
+            raise ValueError(
+                "ClusterSpec.collective_cache_bytes and cached_intra_host_bandwidth go together "
+                f"(both or neither), got {self.collective_cache_bytes!r} and "
+                f"{self.cached_intra_host_bandwidth!r}"
+            )
         if not isinstance(self.dfs_schedule, bool):
             raise ValueError(f"ClusterSpec.dfs_schedule must be a bool, got {self.dfs_schedule!r}")
         if not isinstance(self.name, str) or not self.name:

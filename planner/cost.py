@@ -3,6 +3,12 @@
 Every collective over n devices costs α + β·f(n)·B, with α the latency, β = 1/bandwidth (bus
 bandwidth, as NCCL reports it) and B bytes; the f(n) of each collective is REFERENCE.md's
 "Communication" table (Alpa's `LogicalDeviceMesh` model). A collective over one device is free.
+
+Where a link has a cached bandwidth (`ClusterSpec.cached_intra_host_bandwidth`: XLA:CPU's
+collectives between simulated devices are copies through the host's shared caches), the share of
+a collective's bytes that its buffers' footprint (`Collective.device_bytes`) holds within
+`ClusterSpec.collective_cache_bytes` per device moves at the cached bandwidth, the rest at the
+link's.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ class Collective(enum.Enum):
     def cost(self, num_bytes: float, n: int, bandwidth: float, latency: float) -> float:
         return _FORMULAS[self](num_bytes, n, bandwidth, latency)
 
+    def device_bytes(self, num_bytes: float, n: int) -> float:
+        """Bytes of input and output buffer each of the n devices holds for it, with B as its
+        formula takes it: all-reduce and all-to-all B in and B out, all-gather B/n in and B out,
+        reduce-scatter B in and B/n out."""
+        if self in (Collective.ALL_REDUCE, Collective.ALL_TO_ALL):
+            return 2.0 * num_bytes
+        return num_bytes * (1 + 1 / n)
+
 
 _FORMULAS = {
     Collective.ALL_REDUCE: all_reduce_cost,
@@ -84,6 +98,10 @@ class LogicalMesh:
     bandwidths: tuple[float, ...]
     latencies: tuple[float, ...]
     all_to_all_factor: float = 1.0  # `ClusterSpec.all_to_all_factor`
+    # per axis, the bandwidth within `cache_bytes` (`ClusterSpec.cached_intra_host_bandwidth`);
+    # None: `bandwidths` at every size
+    cached_bandwidths: tuple[float | None, ...] | None = None
+    cache_bytes: float | None = None  # `ClusterSpec.collective_cache_bytes`
 
     def __post_init__(self) -> None:
         fields = (self.axis_names, self.bandwidths, self.latencies)
@@ -92,6 +110,13 @@ class LogicalMesh:
                 f"LogicalMesh needs 1 or 2 axes and one name, bandwidth and latency per axis; "
                 f"got shape={self.shape}, axis_names={self.axis_names}, "
                 f"bandwidths={self.bandwidths}, latencies={self.latencies}"
+            )
+        if self.cached_bandwidths is not None and (
+            len(self.cached_bandwidths) != len(self.shape) or not self.cache_bytes
+        ):
+            raise ValueError(
+                f"LogicalMesh.cached_bandwidths={self.cached_bandwidths} needs one entry per "
+                f"axis of {self.shape} and a positive cache_bytes, got {self.cache_bytes!r}"
             )
         if any(s < 1 for s in self.shape) or len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(
@@ -119,18 +144,34 @@ class LogicalMesh:
         """`kind` over the devices spanned by `axes` (n = product of their sizes).
 
         Simplification: a collective over several axes runs at the slowest axis's bandwidth and
-        pays the largest latency once, as if it were one ring over all n devices.
+        pays the largest latency once, as if it were one ring over all n devices; it runs at a
+        cached bandwidth only where every one of its axes has one.
         """
         idx = [self.axis_index(a) for a in ((axes,) if isinstance(axes, str | int) else axes)]
         if not idx:
             return 0.0
         n = math.prod(self.shape[i] for i in idx)
+        if n == 1:
+            return 0.0
         bandwidth = min(self.bandwidths[i] for i in idx)
         latency = max(self.latencies[i] for i in idx)
-        seconds = kind.cost(num_bytes, n, bandwidth, latency)
-        if kind is Collective.ALL_TO_ALL and n > 1:
-            return latency + self.all_to_all_factor * (seconds - latency)
-        return seconds
+        bytes_s = kind.cost(num_bytes, n, bandwidth, 0.0)
+        cached = self.cached_bandwidth(idx)
+        if cached is not None:
+            footprint = kind.device_bytes(num_bytes, n)
+            beyond = max(0.0, footprint - self.cache_bytes) / footprint if footprint else 0.0
+            bytes_s *= beyond + (1 - beyond) * bandwidth / cached
+        if kind is Collective.ALL_TO_ALL:
+            bytes_s *= self.all_to_all_factor
+        return latency + bytes_s
+
+    def cached_bandwidth(self, idx: Sequence[int]) -> float | None:
+        """The cached bandwidth of a collective over the axes at `idx`: the slowest of theirs,
+        None where one of them has none."""
+        if self.cached_bandwidths is None:
+            return None
+        cached = [self.cached_bandwidths[i] for i in idx]
+        return None if None in cached else min(cached)
 
     def all_reduce_cost(self, num_bytes: float, axes: AxisRef | Sequence[AxisRef]) -> float:
         return self.collective_cost(Collective.ALL_REDUCE, num_bytes, axes)
@@ -169,16 +210,28 @@ def logical_mesh(
         intra = [shape[0] <= per_host]
     else:
         intra = [math.prod(shape) <= per_host, per_host % shape[1] == 0]
-    intra_figures = (cluster.intra_host_bandwidth, cluster.intra_host_latency)
-    inter_figures = (cluster.inter_host_bandwidth, cluster.inter_host_latency)
-    figures = [intra_figures if i else inter_figures for i in intra]
+    figures = [link_figures(cluster, i) for i in intra]
+    cached = tuple(c for *_, c in figures)
     return LogicalMesh(
         shape=shape,
         axis_names=names,
-        bandwidths=tuple(bw for bw, _ in figures),
-        latencies=tuple(lat for _, lat in figures),
+        bandwidths=tuple(bw for bw, *_ in figures),
+        latencies=tuple(lat for _, lat, _ in figures),
         all_to_all_factor=cluster.all_to_all_factor,
+        cached_bandwidths=None if cached == (None,) * len(cached) else cached,
+        cache_bytes=cluster.collective_cache_bytes,
     )
+
+
+def link_figures(cluster: ClusterSpec, intra_host: bool) -> tuple[float, float, float | None]:
+    """(bandwidth, latency, cached bandwidth or None) of a mesh axis within or across hosts."""
+    if intra_host:
+        return (
+            cluster.intra_host_bandwidth,
+            cluster.intra_host_latency,
+            cluster.cached_intra_host_bandwidth,
+        )
+    return cluster.inter_host_bandwidth, cluster.inter_host_latency, None
 
 
 def _normalize_spec(spec: Sequence[DimSpec | str], shape: Sequence[int], mesh: LogicalMesh) -> Spec:

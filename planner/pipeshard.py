@@ -490,7 +490,8 @@ class LayerCosts:
             return None
         mesh = stage_mesh(logical, tuple(range(math.prod(logical))))
         axes = logical_mesh(self.cluster, mesh.shape, mesh.axis_names)
-        kind = tuple(zip(axes.shape, axes.bandwidths, axes.latencies, strict=True))
+        cached = [c or 0.0 for c in axes.cached_bandwidths or (None,) * len(axes.shape)]
+        kind = tuple(zip(axes.shape, axes.bandwidths, axes.latencies, cached, strict=True))
         if intra.force_batch_dim_to_mesh_dim is None:
             kind = tuple(sorted(kind))  # free axes of equal size and links can be swapped
         structure = self._structure(stage.program)

@@ -23,8 +23,8 @@ from autopar.planner.schedules import PipelineSchedule, Schedule, make_schedule
 
 Spec = tuple[tuple[str, ...] | None, ...]
 
-PLAN_FORMAT_VERSION = 17
-# Versions 6 to 16 lack fields added since, which load as their defaults: 6 the roofline's
+PLAN_FORMAT_VERSION = 18
+# Versions 6 to 17 lack fields added since, which load as their defaults: 6 the roofline's
 # figures (memory bandwidth, dtype peaks, efficiencies, kernel floor), 7 the rates of
 # transcendentals, convolutions and transposes, 8 the weight-gradient matmul rate and the fresh
 # memory figures (all in the cluster dict, filled by `ClusterSpec.from_dict`), 9 the host's
@@ -38,8 +38,10 @@ PLAN_FORMAT_VERSION = 17
 # cache (`ClusterSpec.narrow_transposed_matmul_flops`, `cached_select_and_scatter_rate`: the
 # rates of wide ones and beyond the caches), 16 the rates of element-wise loops fused into
 # transposing copies at an aliasing row stride (`ClusterSpec.aliasing_stride`,
-# `aliased_loop_rate`, `many_lines_aliased_loop_rate`: priced as any copy).
-READABLE_FORMAT_VERSIONS = (6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, PLAN_FORMAT_VERSION)
+# `aliased_loop_rate`, `many_lines_aliased_loop_rate`: priced as any copy), 17 collectives'
+# bandwidth within the caches (`ClusterSpec.collective_cache_bytes`,
+# `cached_intra_host_bandwidth`: the link's bandwidth at every size).
+READABLE_FORMAT_VERSIONS = (6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, PLAN_FORMAT_VERSION)
 
 
 def replicated(ndim: int) -> Spec:

@@ -44,6 +44,9 @@ model's roofline and α-β formulas (`autopar.planner.cost`). Every figure is an
 - `intra_host_*` / `inter_host_*`: α (latency) and 1/β (bus bandwidth) fitted per physical
   mesh axis (1 within a host, 0 across hosts) to all-reduce, all-gather and reduce-scatter
   timings, t = α + β·f(n)·B with the f(n) of the cost model's formulas (`fit_link`);
+- `collective_cache_bytes`, `cached_intra_host_bandwidth`: on a CPU, the last-level cache (from
+  sysfs) over the host's devices, and the bandwidth within a host of the bytes whose buffers fit
+  there, fitted with the others where the collectives beyond it ran slower; None elsewhere;
 - `all_to_all_factor`: how many times that link's bytes term the all-to-alls take
   (`fit_all_to_all`; XLA:CPU's run several times slower than Alpa's formula);
 - `device_memory`: the device's `bytes_limit`; on CPU, physical RAM over the profiled devices.
@@ -77,7 +80,7 @@ from autopar.planner.cluster import (
     ClusterSpec,
     xla_cpu_dfs_scheduler,
 )
-from autopar.planner.cost import Collective, LogicalMesh
+from autopar.planner.cost import Collective, LogicalMesh, link_figures
 from autopar.planner.errors import InvalidArgumentError
 from autopar.planner.progress import progress_bar
 from autopar.runtime.microbench import (
@@ -116,6 +119,7 @@ __all__ = [
     "CollectiveTiming",
     "KernelTiming",
     "LaunchTiming",
+    "Link",
     "MatmulKind",
     "MatmulTiming",
     "ProfileSizes",
@@ -234,7 +238,7 @@ class ClusterProfile:
             measured = fields[0] not in self.unmeasured
             note = "" if measured else " (no link to measure: see ClusterProfile.unmeasured)"
             lines.append(
-                f"  {where}: bus bandwidth {_si(bandwidth)}B/s, latency "
+                f"  {where}: bus bandwidth {_si(bandwidth)}B/s{_cached(s, fields)}, latency "
                 f"{latency * 1e6:.1f} us{note}"
             )
         if self.collectives:
@@ -278,24 +282,41 @@ def _record(cls: type, d: Mapping[str, Any]) -> Any:
 # ----------------------------------------------------------------------------- fitting
 
 
-def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
-    """(latency α in s, bus bandwidth in bytes/s) of one mesh axis from its collective timings.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+    """One mesh axis's fitted figures: latency α (s), bus bandwidth (bytes/s) and, where the
+    fit found collectives faster while their buffers fit in the cache, the bandwidth there."""
+
+    latency: float
+    bandwidth: float
+    cached_bandwidth: float | None = None
+
+
+def fit_link(timings: Sequence[CollectiveTiming], cache_bytes: float | None = None) -> Link:
+    """The `Link` of one mesh axis from its collective timings.
 
     Fits t = α + β·x with x = f(n)·B, the cost model's formula at bandwidth 1 and latency 0,
-    by least squares on relative error (timings span orders of magnitude). A negative α is
-    refitted through the origin; a fit whose bytes cost < 1% of the largest timing (sizes too
-    small to see a bandwidth) keeps its latency and takes the best rate reached, x / t, as the
-    bandwidth (a lower bound)."""
+    by least squares on relative error (timings span orders of magnitude); a negative α is
+    refitted through the origin. With `cache_bytes` (per device), x splits as the cost model
+    splits it: the share whose buffers fit (`Collective.device_bytes`) at the cached bandwidth,
+    the rest at the link's; the split is kept where timings fall on both sides of it and those
+    beyond run slower, otherwise one bandwidth. A fit whose bytes cost < 1% of the largest
+    timing (sizes too small to see a bandwidth) keeps its latency and takes the best rate
+    reached, x / t, as the bandwidth (a lower bound)."""
     x = np.array([t.kind.cost(t.num_bytes, t.num_devices, 1.0, 0.0) for t in timings])
     y = np.array([t.seconds for t in timings])
     if len(timings) < 2 or np.any(y <= 0) or np.any(x <= 0):
         raise InvalidArgumentError(
             f"fit_link needs at least 2 timings with positive seconds and bytes, got {timings!r}"
         )
-    w = 1.0 / y
-    (alpha, beta), *_ = np.linalg.lstsq(np.stack([w, x * w], axis=1), np.ones_like(y), rcond=None)
-    if alpha < 0:
-        alpha, beta = 0.0, float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
+    if cache_bytes is not None:
+        footprint = np.array([t.kind.device_bytes(t.num_bytes, t.num_devices) for t in timings])
+        beyond = np.maximum(0.0, footprint - cache_bytes) / footprint
+        if np.any(beyond > 0) and np.sum(beyond < 1) >= 2:
+            alpha, cached, uncached = _latency_and_rates([x * (1 - beyond), x * beyond], y)
+            if uncached > cached > 0:
+                return Link(alpha, 1.0 / uncached, 1.0 / cached)
+    alpha, beta = _latency_and_rates([x], y)
     if beta * x.max() <= 0.01 * (alpha + beta * x.max()):  # bytes < 1% of the largest's time
         bandwidth = float(np.max(x / y))
         logger.warning(
@@ -305,35 +326,68 @@ def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
             max(t.num_bytes for t in timings),
             bandwidth,
         )
-        return max(0.0, float(alpha)), bandwidth
-    return float(alpha), 1.0 / float(beta)
+        return Link(alpha, bandwidth)
+    return Link(alpha, 1.0 / beta)
+
+
+def _latency_and_rates(columns: Sequence[np.ndarray], seconds: np.ndarray) -> list[float]:
+    """(α, c_1, ...) of t ≈ α + Σ c_j·columns_j by least squares on relative error, α >= 0 (a
+    negative one is refitted through the origin)."""
+    alpha, *rates = _relative_least_squares([np.ones_like(seconds), *columns], seconds)
+    if alpha >= 0:
+        return [alpha, *rates]
+    return [0.0, *_relative_least_squares(columns, seconds)]
+
+
+def _relative_least_squares(
+    columns: Sequence[np.ndarray], seconds: np.ndarray, fixed: np.ndarray | float = 0.0
+) -> list[float]:
+    """The c of t ≈ fixed + Σ c_j·columns_j that minimize Σ (prediction / t − 1)²."""
+    relative = np.stack([c / seconds for c in columns], axis=1)
+    coefficients, *_ = np.linalg.lstsq(relative, 1.0 - fixed / seconds, rcond=None)
+    return [float(c) for c in coefficients]
 
 
 def fit_all_to_all(
-    timings: Sequence[CollectiveTiming], links: Mapping[int, tuple[float, float]]
+    timings: Sequence[CollectiveTiming],
+    links: Mapping[int, Link],
+    cache_bytes: float | None = None,
 ) -> float:
-    """`ClusterSpec.all_to_all_factor`: the median over the all-to-all timings of their time
-    beyond the latency over the formula's bytes term, on the (latency, bandwidth) `links` of
-    their axis; 1 where none was timed."""
-    factors = [
-        (t.seconds - links[t.axis][0])
-        / Collective.ALL_TO_ALL.cost(t.num_bytes, t.num_devices, links[t.axis][1], 0.0)
-        for t in timings
-        if t.kind is Collective.ALL_TO_ALL
-    ]
-    return max(1e-3, statistics.median(factors)) if factors else 1.0
+    """`ClusterSpec.all_to_all_factor`: the scale of the all-to-alls' bytes term, on the
+    `links` of their axes (with `cache_bytes` per device on the links that have a cached
+    bandwidth), by least squares on relative error; 1 where none was timed."""
+    a2a = [t for t in timings if t.kind is Collective.ALL_TO_ALL]
+    if not a2a:
+        return 1.0
+    latency = np.array([links[t.axis].latency for t in a2a])
+    bytes_s = np.array([_collective_s(t, links[t.axis], cache_bytes) for t in a2a]) - latency
+    seconds = np.array([t.seconds for t in a2a])
+    (factor,) = _relative_least_squares([bytes_s], seconds, fixed=latency)
+    return max(1e-3, factor)
+
+
+def _collective_s(
+    timing: CollectiveTiming, link: Link, cache_bytes: float | None, all_to_all_factor: float = 1
+) -> float:
+    """The cost model's time for `timing`'s collective on `link`."""
+    cached = link.cached_bandwidth
+    mesh = LogicalMesh(
+        (timing.num_devices,),
+        ("a",),
+        (link.bandwidth,),
+        (link.latency,),
+        all_to_all_factor,
+        None if cached is None else (cached,),
+        None if cached is None else cache_bytes,
+    )
+    return mesh.collective_cost(timing.kind, timing.num_bytes, "a")
 
 
 def predicted_collective_s(spec: ClusterSpec, timing: CollectiveTiming) -> float:
     """What the cost model predicts for `timing`'s collective with `spec`'s figures."""
-    across = timing.axis == 0 and spec.num_hosts > 1
-    link = (spec.inter_host_bandwidth, spec.inter_host_latency)
-    if not across:
-        link = (spec.intra_host_bandwidth, spec.intra_host_latency)
-    mesh = LogicalMesh(
-        (timing.num_devices,), ("a",), (link[0],), (link[1],), spec.all_to_all_factor
-    )
-    return mesh.collective_cost(timing.kind, timing.num_bytes, "a")
+    bandwidth, latency, cached = link_figures(spec, not (timing.axis == 0 and spec.num_hosts > 1))
+    link = Link(latency, bandwidth, cached)
+    return _collective_s(timing, link, spec.collective_cache_bytes, spec.all_to_all_factor)
 
 
 def _peaks(matmul: Sequence[MatmulTiming]) -> dict[str, float]:
@@ -380,20 +434,25 @@ def build_spec(
     """The spec of `devices` from its measurements, and the fields no measurement set."""
     shape = physical_mesh(devices)[0].devices.shape
     hosts, per_host = (1, shape[0]) if len(shape) == 1 else shape
+    platform = devices[0].platform
+    # a CPU's simulated devices copy through the host's caches, which they share
+    cache = last_level_cache_bytes() if platform == "cpu" else None
+    cache_bytes = None if cache is None else cache / per_host
     links = {  # all-to-all is fitted on the link the other collectives give (`fit_all_to_all`)
         axis: fit_link(
-            [t for t in collectives if t.axis == axis and t.kind is not Collective.ALL_TO_ALL]
+            [t for t in collectives if t.axis == axis and t.kind is not Collective.ALL_TO_ALL],
+            cache_bytes if axis == 1 else None,  # across hosts: a network, no cache
         )
         for axis in sorted({t.axis for t in collectives})
     }
     unmeasured: tuple[str, ...] = ()
     if 1 not in links:  # one device per host: a copy inside the device
-        links[1] = (kernel.per_kernel_s, stream.bytes_per_s)
+        links[1] = Link(kernel.per_kernel_s, stream.bytes_per_s)
         unmeasured += _INTRA
     if 0 not in links:  # one host
-        links[0] = links[1]
+        links[0] = Link(links[1].latency, links[1].bandwidth)
         unmeasured += _INTER
-    platform = devices[0].platform
+    cached_bandwidth = links[1].cached_bandwidth
     peaks = _peaks(matmul)
     rated = {t.kind.spec_field: t.rate for t in rates}  # fresh memory: None if it is free
     if rated.get("aliased_loop_rate"):
@@ -406,10 +465,12 @@ def build_spec(
         num_hosts=hosts,
         devices_per_host=per_host,
         device_memory=_device_memory(devices),
-        intra_host_bandwidth=links[1][1],
-        inter_host_bandwidth=links[0][1],
-        intra_host_latency=links[1][0],
-        inter_host_latency=links[0][0],
+        intra_host_bandwidth=links[1].bandwidth,
+        inter_host_bandwidth=links[0].bandwidth,
+        intra_host_latency=links[1].latency,
+        inter_host_latency=links[0].latency,
+        cached_intra_host_bandwidth=cached_bandwidth,
+        collective_cache_bytes=None if cached_bandwidth is None else cache_bytes,
         name=f"profiled-{platform}-{len(devices)}",
         platform=platform,
         memory_bandwidth=stream.bytes_per_s,
@@ -419,7 +480,7 @@ def build_spec(
         launch_overhead_s=launch.launch_s,
         buffer_overhead_s=launch.per_buffer_s,
         kernel_update_s=kernel.update_per_kernel_s,
-        all_to_all_factor=fit_all_to_all(collectives, links),
+        all_to_all_factor=fit_all_to_all(collectives, links, cache_bytes),
         matmul_efficiency=matmul_efficiency(
             matmul_ramp, kernel.per_kernel_s, peaks[MatmulKind.FP32.spec_field]
         ),
@@ -442,20 +503,48 @@ def aliased_loop_text(spec: ClusterSpec) -> str:
     )
 
 
+def _cpu0_caches() -> list[dict[str, str]]:
+    """Linux's sysfs record of each of cpu0's caches (level, type, size, ways); [] elsewhere."""
+    caches = []
+    for index in sorted(_CACHE_INFO.glob("index*")):
+        try:
+            names = ("level", "type", "size", "ways_of_associativity")
+            caches.append({f: (index / f).read_text().strip() for f in names})
+        except OSError:
+            continue
+    return caches
+
+
+def _size_bytes(size: str) -> int | None:
+    """sysfs's '48K' or '32M' in bytes; None if it reads otherwise."""
+    unit = {"K": 2**10, "M": 2**20}.get(size[-1:])
+    return int(size[:-1]) * unit if unit and size[:-1].isdigit() else None
+
+
 def l1_set_span() -> float | None:
     """Bytes a CPU's L1 data cache spans with one line per set (its size over its ways), as
     Linux's sysfs gives cpu0's; None where it does not: rows that far apart share a set."""
-    for index in sorted(_CACHE_INFO.glob("index*")):
-        try:
-            fields = {f: (index / f).read_text().strip() for f in ("level", "type", "size")}
-            ways = int((index / "ways_of_associativity").read_text())
-        except (OSError, ValueError):
-            continue
-        size = fields["size"]
-        if fields["level"] != "1" or fields["type"] != "Data" or not size.endswith("K"):
-            continue
-        return float(int(size[:-1]) * 1024 // ways) if ways > 0 else None
+    for cache in _cpu0_caches():
+        size, ways = _size_bytes(cache["size"]), cache["ways_of_associativity"]
+        if cache["level"] == "1" and cache["type"] == "Data" and size and ways.isdigit():
+            return float(size // int(ways)) if int(ways) > 0 else None
     return None
+
+
+def last_level_cache_bytes() -> float | None:
+    """Bytes of cpu0's largest (last-level) cache, as Linux's sysfs gives it; None where it
+    does not."""
+    sizes = [_size_bytes(c["size"]) for c in _cpu0_caches() if c["type"] in ("Data", "Unified")]
+    return float(max(s for s in sizes if s)) if any(sizes) else None
+
+
+def _cached(spec: ClusterSpec, fields: tuple[str, str]) -> str:
+    if fields != _INTRA or spec.cached_intra_host_bandwidth is None:
+        return ""
+    return (
+        f" ({_si(spec.cached_intra_host_bandwidth)}B/s while a collective's buffers fit in "
+        f"{_si(spec.collective_cache_bytes)}B of cache per device)"
+    )
 
 
 def _fresh(spec: ClusterSpec) -> str:

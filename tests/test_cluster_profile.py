@@ -33,6 +33,7 @@ from autopar.runtime.cluster_profile import (
     fit_all_to_all,
     fit_link,
     l1_set_span,
+    last_level_cache_bytes,
     matmul_efficiency,
     measure_cluster,
     predicted_collective_s,
@@ -92,6 +93,9 @@ def check_plausible(spec: autopar.ClusterSpec) -> None:
         assert 64 <= spec.aliasing_stride <= 64 * KIB
         assert 1e6 < spec.many_lines_aliased_loop_rate < 1e13  # elements x arrays / s
         assert 1e6 < spec.aliased_loop_rate < 1e13
+    if spec.cached_intra_host_bandwidth is not None:  # collectives slowed beyond the cache
+        assert spec.intra_host_bandwidth < spec.cached_intra_host_bandwidth < 1e13
+        assert 4 * KIB <= spec.collective_cache_bytes <= 1 << 32
     assert spec.compute_efficiency == spec.memory_efficiency == 1.0
     assert spec.platform == "cpu" and 1e6 < spec.device_memory < 1e14
 
@@ -206,10 +210,10 @@ def test_the_kernel_timing_splits_off_what_moved_buffers_add_per_kernel(one):
     assert "per kernel where the buffers moved" in one.summary()
 
 
-def test_the_l1_set_span_is_read_off_sysfs(tmp_path, monkeypatch):
+def test_the_cache_geometry_is_read_off_sysfs(tmp_path, monkeypatch):
     """A 48 KiB 12-way L1 data cache spans 4 KiB with one line per set; no such cache, or a
     sysfs that says nothing usable: None (loops at aliasing strides are then priced as any
-    copy)."""
+    copy). The last-level cache is the largest data or unified one."""
 
     def cache(index: int, level: int, kind: str, size: str, ways: str) -> None:
         folder = tmp_path / f"index{index}"
@@ -231,6 +235,11 @@ def test_the_l1_set_span_is_read_off_sysfs(tmp_path, monkeypatch):
     assert l1_set_span() == 4096
     (tmp_path / "index2" / "ways_of_associativity").write_text("fully\n")
     assert l1_set_span() is None
+    assert last_level_cache_bytes() == 1 << 20  # instruction caches do not count
+    cache(3, 3, "Unified", "32M", "16")
+    assert last_level_cache_bytes() == 32 << 20
+    monkeypatch.setattr(cluster_profile, "_CACHE_INFO", tmp_path / "none")
+    assert last_level_cache_bytes() is None
 
 
 def test_one_device_has_no_link_and_says_so(one):
@@ -271,19 +280,81 @@ def _synthetic(latency: float, bandwidth: float, n: int = 4) -> list[CollectiveT
 
 
 def test_fit_link_recovers_the_cost_model_and_stays_physical():
-    latency, bandwidth = fit_link(_synthetic(7e-6, 40e9))
-    assert latency == pytest.approx(7e-6, rel=1e-6)
-    assert bandwidth == pytest.approx(40e9, rel=1e-6)
-    # Times below the formula's zero-latency line would fit α < 0: refitted through the origin.
+    link = fit_link(_synthetic(7e-6, 40e9))
+    assert link.latency == pytest.approx(7e-6, rel=1e-6)
+    assert link.bandwidth == pytest.approx(40e9, rel=1e-6)
+    assert link.cached_bandwidth is None
+    # Times below the formula's zero-latency line would fit α < 0: α stays 0.
     shifted = [dataclasses.replace(t, seconds=t.seconds * 0.5) for t in _synthetic(0, 1e9)]
     shifted[0] = dataclasses.replace(shifted[0], seconds=shifted[0].seconds * 0.2)
-    latency, bandwidth = fit_link(shifted)
-    assert latency == 0 and bandwidth > 0
+    link = fit_link(shifted)
+    assert link.latency == pytest.approx(0, abs=1e-12) and link.bandwidth > 0
     # Times that do not grow with size: all latency, and the best rate reached as bandwidth.
     flat = [dataclasses.replace(t, seconds=1e-4) for t in _synthetic(0, 1e9)]
-    latency, bandwidth = fit_link(flat)
+    link = fit_link(flat)
     best = max(t.kind.cost(t.num_bytes, t.num_devices, 1, 0) / t.seconds for t in flat)
-    assert bandwidth == pytest.approx(best) and latency == pytest.approx(1e-4)
+    assert link.bandwidth == pytest.approx(best) and link.latency == pytest.approx(1e-4)
+    with pytest.raises(autopar.InvalidArgumentError, match="at least 2 timings"):
+        fit_link(flat[:1])
+
+
+def _cached(latency: float, bandwidth: float, cached: float, cache_bytes: float, n: int = 4):
+    """Timings from the cost model over a link with a cached bandwidth, n devices, B from 4 KiB
+    to 16 MiB: some buffers fit in `cache_bytes` per device, some spill."""
+    spec = dataclasses.replace(
+        autopar.ClusterSpec.local(n),
+        intra_host_bandwidth=bandwidth,
+        intra_host_latency=latency,
+        cached_intra_host_bandwidth=cached,
+        collective_cache_bytes=cache_bytes,
+    )
+    timings = [
+        CollectiveTiming(1, kind, b, n, 1.0)
+        for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+        for b in (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+    ]
+    return [dataclasses.replace(t, seconds=predicted_collective_s(spec, t)) for t in timings]
+
+
+def test_fit_link_finds_the_bandwidth_within_the_cache():
+    """Collectives whose buffers outgrow 1 MiB per device slow from 20 to 5 GB/s: given the
+    cache, the fit recovers both; without it, or where the timings all fit, one bandwidth;
+    where those beyond the cache run no slower, one bandwidth too."""
+    timings = _cached(7e-6, 5e9, 20e9, float(1 << 20))
+    link = fit_link(timings, cache_bytes=float(1 << 20))
+    assert (link.latency, link.bandwidth, link.cached_bandwidth) == (
+        pytest.approx(7e-6, rel=1e-5),
+        pytest.approx(5e9, rel=1e-5),
+        pytest.approx(20e9, rel=1e-5),
+    )
+    assert fit_link(timings).cached_bandwidth is None
+    assert fit_link(timings, cache_bytes=float(1 << 30)).cached_bandwidth is None
+    uniform = _synthetic(7e-6, 5e9)
+    uniform = [t for t in uniform if t.kind is not Collective.ALL_TO_ALL]
+    link = fit_link(uniform, cache_bytes=float(1 << 17))
+    assert link.cached_bandwidth is None and link.bandwidth == pytest.approx(5e9, rel=1e-5)
+
+
+@pytest.mark.parametrize("cache", [8 << 20, None])
+def test_a_cpu_profile_fits_the_bandwidth_within_its_last_level_cache(eight, monkeypatch, cache):
+    """The host's last-level cache (8 MiB here) over its 8 devices is the cache per device the
+    collectives are fitted with; a host whose cache sysfs does not give: one bandwidth."""
+    monkeypatch.setattr(cluster_profile, "last_level_cache_bytes", lambda: cache)
+    timings = _cached(7e-6, 5e9, 20e9, float(1 << 20), n=8)
+    parts = (eight.matmul, eight.matmul_ramp, eight.stream, eight.kernel, eight.launch)
+    spec, _ = build_spec(jax.devices(), *parts, eight.rates, timings)
+    if cache is None:
+        assert spec.collective_cache_bytes is spec.cached_intra_host_bandwidth is None
+        return
+    assert spec.collective_cache_bytes == 1 << 20
+    assert spec.cached_intra_host_bandwidth == pytest.approx(20e9, rel=1e-5)
+    assert spec.intra_host_bandwidth == pytest.approx(5e9, rel=1e-5)
+    assert (spec.inter_host_bandwidth, spec.inter_host_latency) == (
+        spec.intra_host_bandwidth,
+        spec.intra_host_latency,
+    )
+    profile = dataclasses.replace(eight, spec=spec, collectives=tuple(timings))
+    assert "20 GB/s while a collective's buffers fit in 1.05 MB of cache" in profile.summary()
 
 
 def test_all_to_all_is_fitted_as_a_factor_on_the_other_collectives_link():
@@ -296,15 +367,15 @@ def test_all_to_all_is_fitted_as_a_factor_on_the_other_collectives_link():
         for t in _synthetic(7e-6, 40e9)
     ]
     others = [t for t in timings if t.kind is not Collective.ALL_TO_ALL]
-    latency, bandwidth = fit_link(others)
-    assert (latency, bandwidth) == (pytest.approx(7e-6), pytest.approx(40e9))
-    factor = fit_all_to_all(timings, {1: (latency, bandwidth)})
+    link = fit_link(others)
+    assert (link.latency, link.bandwidth) == (pytest.approx(7e-6), pytest.approx(40e9))
+    factor = fit_all_to_all(timings, {1: link})
     assert factor == pytest.approx(5)
-    assert fit_all_to_all(others, {1: (latency, bandwidth)}) == 1.0  # none timed
+    assert fit_all_to_all(others, {1: link}) == 1.0  # none timed
     spec = dataclasses.replace(
         autopar.ClusterSpec.local(4),
-        intra_host_bandwidth=bandwidth,
-        intra_host_latency=latency,
+        intra_host_bandwidth=link.bandwidth,
+        intra_host_latency=link.latency,
         all_to_all_factor=factor,
     )
     for t in timings:

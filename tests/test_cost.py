@@ -278,3 +278,60 @@ def test_all_to_all_factor_scales_only_the_all_to_all_bytes_term():
     assert single.all_to_all_cost(nbytes, "x") == 0.0
     spec = dataclasses.replace(ClusterSpec.local(4), all_to_all_factor=3.0)
     assert logical_mesh(spec, (4,)).all_to_all_factor == 3.0
+
+
+def test_collectives_move_their_cached_share_at_the_cached_bandwidth():
+    """With 1 MiB of cache per device at 8 GB/s over a 2 GB/s link: an all-reduce whose 2·B of
+    buffers fit runs at 8 GB/s, one of 4 MiB (8 MiB of buffers, 1/8 of them cached) moves 7/8 of
+    its bytes at 2 GB/s; a reduce-scatter of 4 MiB holds (1 + 1/4)·B per device."""
+    cached = LogicalMesh(
+        (4,), ("x",), (2e9,), (1e-5,), cached_bandwidths=(8e9,), cache_bytes=float(1 << 20)
+    )
+    small, big = 1 << 18, 4 << 20
+    assert cached.all_reduce_cost(small, "x") == pytest.approx(1e-5 + 1.5 * small / 8e9)
+    expected = 1e-5 + 1.5 * big * (7 / 8 / 2e9 + 1 / 8 / 8e9)
+    assert cached.all_reduce_cost(big, "x") == pytest.approx(expected)
+    footprint = big * 1.25
+    cached_share = (1 << 20) / footprint
+    expected = 1e-5 + 0.75 * big * ((1 - cached_share) / 2e9 + cached_share / 8e9)
+    assert cached.reduce_scatter_cost(big, "x") == pytest.approx(expected)
+    # the all-to-all factor scales the whole bytes term; one device stays free
+    slow = dataclasses.replace(cached, all_to_all_factor=3.0)
+    assert slow.all_to_all_cost(big, "x") - 1e-5 == pytest.approx(
+        3 * (cached.all_to_all_cost(big, "x") - 1e-5)
+    )
+    assert dataclasses.replace(cached, shape=(1,)).all_reduce_cost(big, "x") == 0.0
+
+
+def test_a_collective_runs_at_a_cached_bandwidth_only_where_all_its_axes_have_one():
+    mesh = LogicalMesh(
+        (2, 4),
+        ("hosts", "devices"),
+        (1e9, 2e9),
+        (1e-5, 1e-6),
+        cached_bandwidths=(None, 8e9),
+        cache_bytes=float(1 << 30),
+    )
+    nbytes = 1 << 20
+    assert mesh.all_gather_cost(nbytes, "devices") == pytest.approx(1e-6 + 3 / 4 * nbytes / 8e9)
+    assert mesh.all_gather_cost(nbytes, "hosts") == pytest.approx(1e-5 + 1 / 2 * nbytes / 1e9)
+    both = 1e-5 + 7 / 8 * nbytes / 1e9
+    assert mesh.all_gather_cost(nbytes, ("hosts", "devices")) == pytest.approx(both)
+
+
+def test_a_spec_with_a_collective_cache_gives_it_to_the_axes_within_a_host():
+    spec = dataclasses.replace(
+        ClusterSpec.local(8).with_devices(1, 4),
+        num_hosts=2,
+        cached_intra_host_bandwidth=40e9,
+        collective_cache_bytes=4e6,
+    )
+    mesh = logical_mesh(spec, (2, 4))
+    assert (mesh.cached_bandwidths, mesh.cache_bytes) == ((None, 40e9), 4e6)
+    assert logical_mesh(ClusterSpec.local(8), (8,)).cached_bandwidths is None
+    with pytest.raises(ValueError, match="go together"):
+        dataclasses.replace(spec, collective_cache_bytes=None)
+    with pytest.raises(ValueError, match="cached_intra_host_bandwidth must be a positive"):
+        dataclasses.replace(spec, cached_intra_host_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="one entry per axis"):
+        LogicalMesh((4,), ("x",), (1e9,), (0.0,), cached_bandwidths=(1e9,), cache_bytes=None)

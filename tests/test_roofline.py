@@ -34,6 +34,7 @@ _FORMAT_14_FIELDS = ("column_reduction_array_rate",)
 _FORMAT_15_FIELDS = ("window_reduction_rate", "select_and_scatter_rate", "dfs_schedule")
 _FORMAT_16_FIELDS = ("narrow_transposed_matmul_flops", "cached_select_and_scatter_rate")
 _FORMAT_17_FIELDS = ("aliasing_stride", "aliased_loop_rate", "many_lines_aliased_loop_rate")
+_FORMAT_18_FIELDS = ("collective_cache_bytes", "cached_intra_host_bandwidth")
 _ROOFLINE_FIELDS = (
     "memory_bandwidth",
     "fp32_flops",
@@ -51,6 +52,7 @@ _ROOFLINE_FIELDS = (
     *_FORMAT_15_FIELDS,
     *_FORMAT_16_FIELDS,
     *_FORMAT_17_FIELDS,
+    *_FORMAT_18_FIELDS,
 )
 # A CPU device with measured op-class rates (the figures are round, not a real CPU's).
 CPU = dataclasses.replace(
@@ -100,6 +102,7 @@ def test_peak_depends_on_dtype_and_precision():
         ("aliasing_stride", 0.0),
         ("aliased_loop_rate", -1.0),
         ("many_lines_aliased_loop_rate", float("nan")),
+        ("collective_cache_bytes", 0.0),
         ("launch_overhead_s", -1e-6),
         ("buffer_overhead_s", float("nan")),
         ("kernel_update_s", -1e-6),
@@ -594,9 +597,10 @@ def test_fp32_gpt_on_a100_is_not_priced_at_the_bf16_peak():
         (13, (*_FORMAT_14_FIELDS, *_FORMAT_15_FIELDS)),
         (14, (*_FORMAT_15_FIELDS, *_FORMAT_16_FIELDS)),
         (15, (*_FORMAT_16_FIELDS, *_FORMAT_17_FIELDS)),
-        (16, _FORMAT_17_FIELDS),
+        (16, (*_FORMAT_17_FIELDS, *_FORMAT_18_FIELDS)),
+        (17, _FORMAT_18_FIELDS),
     ],
-    ids=[f"format {v}" for v in range(6, 17)],
+    ids=[f"format {v}" for v in range(6, 18)],
 )
 def test_older_plan_files_still_load(version, missing):
     plan = _mlp_plan(32768, 128)
