@@ -136,6 +136,9 @@ __all__ = [
 ]
 
 DEFAULT_SIZES = ProfileSizes()
+# How much slower (seconds per byte) collectives beyond the cache must run for the profile to
+# keep a cached bandwidth: closer than that, the timings' noise (10-20% on a CPU host) decides
+SLOWER_BEYOND_CACHE = 1.05
 _INTRA = ("intra_host_bandwidth", "intra_host_latency")
 _INTER = ("inter_host_bandwidth", "inter_host_latency")
 _CACHE_INFO = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")  # Linux's view of cpu0's caches
@@ -300,9 +303,9 @@ def fit_link(timings: Sequence[CollectiveTiming], cache_bytes: float | None = No
     refitted through the origin. With `cache_bytes` (per device), x splits as the cost model
     splits it: the share whose buffers fit (`Collective.device_bytes`) at the cached bandwidth,
     the rest at the link's; the split is kept where timings fall on both sides of it and those
-    beyond run slower, otherwise one bandwidth. A fit whose bytes cost < 1% of the largest
-    timing (sizes too small to see a bandwidth) keeps its latency and takes the best rate
-    reached, x / t, as the bandwidth (a lower bound)."""
+    beyond run `SLOWER_BEYOND_CACHE` times slower or more, otherwise one bandwidth. A fit whose
+    bytes cost < 1% of the largest timing (sizes too small to see a bandwidth) keeps its
+    latency and takes the best rate reached, x / t, as the bandwidth (a lower bound)."""
     x = np.array([t.kind.cost(t.num_bytes, t.num_devices, 1.0, 0.0) for t in timings])
     y = np.array([t.seconds for t in timings])
     if len(timings) < 2 or np.any(y <= 0) or np.any(x <= 0):
@@ -314,7 +317,7 @@ def fit_link(timings: Sequence[CollectiveTiming], cache_bytes: float | None = No
         beyond = np.maximum(0.0, footprint - cache_bytes) / footprint
         if np.any(beyond > 0) and np.sum(beyond < 1) >= 2:
             alpha, cached, uncached = _latency_and_rates([x * (1 - beyond), x * beyond], y)
-            if uncached > cached > 0:
+            if uncached > SLOWER_BEYOND_CACHE * cached > 0:
                 return Link(alpha, 1.0 / uncached, 1.0 / cached)
     alpha, beta = _latency_and_rates([x], y)
     if beta * x.max() <= 0.01 * (alpha + beta * x.max()):  # bytes < 1% of the largest's time
