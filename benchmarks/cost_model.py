@@ -33,8 +33,10 @@ import dataclasses
 import gzip
 import itertools
 import json
+import math
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -67,7 +69,7 @@ def _bundled(module, config, batch_size: int):
     return step, (state, module.make_batch(config, batch_size))
 
 
-def _zoo():
+def zoo():
     """(name, builder) pairs; a builder returns (train step, args)."""
     import optax
 
@@ -157,6 +159,44 @@ def profiler_events(run: Callable[[], None]) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+# XLA:CPU's kernels in a trace: not the executor's own events, nor an async op's "end: " half
+_KERNEL_EVENT = re.compile(r"(?!end: )\S*(fusion|dot|copy|transpose|convolution)\S*$")
+
+
+def kernel_times(jitted, args: tuple, calls: int) -> dict[str, tuple[float, float, float]]:
+    """Each kernel of `jitted(*args)` on a CPU: its least and mean time in microseconds over
+    `calls` profiled calls (after 3 unprofiled), and the share of its time another kernel ran
+    beside it: XLA:CPU runs independent kernels side by side on its threads, and a kernel's time
+    in the trace is then not its own."""
+    import jax
+
+    for _ in range(3):
+        jax.block_until_ready(jitted(*args))
+
+    def run() -> None:
+        for _ in range(calls):
+            jax.block_until_ready(jitted(*args))
+
+    kernels = [
+        e for e in profiler_events(run) if e.get("ph") == "X" and _KERNEL_EVENT.match(e["name"])
+    ]
+    least: dict[str, float] = {}
+    beside: dict[str, list[float]] = {}  # name -> [time beside another kernel, time, calls]
+    for e in kernels:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        overlaps = [
+            (max(start, f["ts"]), min(stop, f["ts"] + f["dur"]))
+            for f in kernels
+            if f is not e and f["ts"] < stop and f["ts"] + f["dur"] > start
+        ]
+        least[e["name"]] = min(least.get(e["name"], math.inf), e["dur"])
+        shared = beside.setdefault(e["name"], [0.0, 0.0, 0])
+        shared[0] += busy_us(overlaps)
+        shared[1] += e["dur"]
+        shared[2] += 1
+    return {n: (least[n], t / c, b / t if t else 0.0) for n, (b, t, c) in beside.items()}
+
+
 def _device_busy_s(step, args, steps: int = 3) -> float | None:
     """Seconds per step the device is busy (the union of its kernels and copies in a profiler
     trace of `steps` waited steps); None where the trace holds no device (a CPU's ops run on
@@ -225,7 +265,7 @@ def truth_table(spec) -> list[Row]:
     try:
         models = []  # (name, parallelized step, predicted)
         step_args = []  # each model's arguments, carried from round to round
-        for name, build in _zoo():
+        for name, build in zoo():
             built = _built(build)
             if built is None:
                 continue

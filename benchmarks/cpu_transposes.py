@@ -50,7 +50,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from cost_model import busy_us, one_cpu_device, profiler_events, save_results  # noqa: E402
+from cost_model import kernel_times, one_cpu_device, save_results  # noqa: E402
 
 REPEATS = 20
 STEPS, ROUNDS = 15, 3
@@ -189,41 +189,6 @@ KERNEL_CASES = [
 ALIASING_STRIDE = 4096  # bytes: x86's usual L1 set span (this machine's: 48 KiB over 12 ways)
 
 
-# XLA:CPU's kernels in a trace: not the executor's own events, nor an async op's "end: " half
-_KERNEL_EVENT = re.compile(r"(?!end: )\S*(fusion|dot|copy|transpose|convolution)\S*$")
-
-
-def _kernel_times(jitted, *args) -> dict[str, tuple[float, float, float]]:
-    """Each kernel's least and mean time in microseconds over `STEPS` profiled calls, and the
-    share of its time another kernel ran beside it: XLA:CPU runs independent kernels side by
-    side on its threads, and a kernel's time in the trace is then not its own."""
-    for _ in range(3):
-        jax.block_until_ready(jitted(*args))
-
-    def run() -> None:
-        for _ in range(STEPS):
-            jax.block_until_ready(jitted(*args))
-
-    kernels = [
-        e for e in profiler_events(run) if e.get("ph") == "X" and _KERNEL_EVENT.match(e["name"])
-    ]
-    least: dict[str, float] = {}
-    beside: dict[str, list[float]] = {}  # name -> [time beside another kernel, time, calls]
-    for e in kernels:
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        overlaps = [
-            (max(start, f["ts"]), min(stop, f["ts"] + f["dur"]))
-            for f in kernels
-            if f is not e and f["ts"] < stop and f["ts"] + f["dur"] > start
-        ]
-        least[e["name"]] = min(least.get(e["name"], math.inf), e["dur"])
-        shared = beside.setdefault(e["name"], [0.0, 0.0, 0])
-        shared[0] += busy_us(overlaps)
-        shared[1] += e["dur"]
-        shared[2] += 1
-    return {n: (least[n], t / c, b / t if t else 0.0) for n, (b, t, c) in beside.items()}
-
-
 def transposing_kernel_rows() -> list[dict]:
     """Each transposing kernel of the expert step that writes [experts, ffn, tokens]."""
     experts, groups, _, _ = MOE
@@ -236,7 +201,7 @@ def transposing_kernel_rows() -> list[dict]:
         }
         jitted = jax.jit(_expert_step(ACTIVATIONS[name]))
         hlo = jitted.lower(params, x).compile().as_text()
-        times = _kernel_times(jitted, params, x)
+        times = kernel_times(jitted, (params, x), STEPS)
         tokens = groups * capacity
         written = re.escape(f"f32[{experts},{ffn},{tokens}]")
         for m in re.finditer(rf"%(\S+) = {written}\{{2,1,0\}} fusion\(([^)]*)\)", hlo):
@@ -276,7 +241,9 @@ def side_by_side_control() -> list[dict]:
     rows = []
     for case, fun in (("independent", independent), ("chained", chained)):
         jitted = jax.jit(fun)
-        times = {n: t for n, t in _kernel_times(jitted, x, w).items() if "ynn" in n or "dot" in n}
+        times = {
+            n: t for n, t in kernel_times(jitted, (x, w), STEPS).items() if "ynn" in n or "dot" in n
+        }
         rows.append(
             {
                 "case": case,
