@@ -9,7 +9,9 @@ least of `STEPS` steps, and the share of its time another kernel ran beside it),
 the same dot alone (its shapes, contracting and batch dimensions, in fp32, `CHAIN` dependent
 copies of it in one program) and reads its kernels off a trace the same way. A dot whose
 operands XLA laid out other than row-major in the step is marked: alone it gets the default
-layouts.
+layouts. Run it with XLA's default YNNPACK dots: with them turned off
+(`--xla_cpu_experimental_ynn_fusion_type=`), Eigen's dot events in a trace do not cover their
+work (one read 1.9 TFLOP/s on 2 cores).
 
     python benchmarks/cpu_dots.py
 
