@@ -55,10 +55,9 @@ class Dot:
 
     @property
     def result(self) -> tuple[int, ...]:
-        free = lambda shape, used: [s for d, s in enumerate(shape) if d not in used]  # noqa: E731
         batch = [self.lhs[d] for d in self.lhs_batch]
-        lhs_free = free(self.lhs, self.lhs_contracting + self.lhs_batch)
-        return (*batch, *lhs_free, *free(self.rhs, self.rhs_contracting + self.rhs_batch))
+        lhs_free = _free(self.lhs, self.lhs_contracting + self.lhs_batch)
+        return (*batch, *lhs_free, *_free(self.rhs, self.rhs_contracting + self.rhs_batch))
 
     @property
     def flops(self) -> int:
@@ -66,6 +65,10 @@ class Dot:
 
     def text(self) -> str:
         return f"{list(self.lhs)} x {list(self.rhs)} -> {list(self.result)}"
+
+
+def _free(shape: tuple[int, ...], used: tuple[int, ...]) -> list[int]:
+    return [size for d, size in enumerate(shape) if d not in used]
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -113,8 +116,9 @@ def one_dot_kernels(hlo: str) -> dict[str, Dot]:
             op_name.group(1) if op_name else "",
         )
 
+    fused = set(re.findall(r" fusion\(.*calls=%?([\w.\-]+)", hlo))  # a fusion's body: no kernels
     kernels = {}
-    for line in hlo.splitlines():
+    for line in (line for name, body in bodies.items() if name not in fused for line in body):
         found = _INSTRUCTION.match(line)
         if not found:
             continue
@@ -127,7 +131,7 @@ def one_dot_kernels(hlo: str) -> dict[str, Dot]:
             dot = None
         if dot is not None:
             kernels[found.group(1)] = dot
-    return {name: dot for name, dot in kernels.items() if not name.startswith("param")}
+    return kernels
 
 
 def alone_us(dot: Dot) -> float:

@@ -156,7 +156,7 @@ class LogicalMesh:
         bandwidth = min(self.bandwidths[i] for i in idx)
         latency = max(self.latencies[i] for i in idx)
         bytes_s = kind.cost(num_bytes, n, bandwidth, 0.0)
-        cached = self.cached_bandwidth(idx)
+        cached = self._cached_bandwidth(idx)
         if cached is not None:
             footprint = kind.device_bytes(num_bytes, n)
             beyond = max(0.0, footprint - self.cache_bytes) / footprint if footprint else 0.0
@@ -165,7 +165,7 @@ class LogicalMesh:
             bytes_s *= self.all_to_all_factor
         return latency + bytes_s
 
-    def cached_bandwidth(self, idx: Sequence[int]) -> float | None:
+    def _cached_bandwidth(self, idx: Sequence[int]) -> float | None:
         """The cached bandwidth of a collective over the axes at `idx`: the slowest of theirs,
         None where one of them has none."""
         if self.cached_bandwidths is None:
@@ -218,7 +218,7 @@ def logical_mesh(
         bandwidths=tuple(bw for bw, *_ in figures),
         latencies=tuple(lat for _, lat, _ in figures),
         all_to_all_factor=cluster.all_to_all_factor,
-        cached_bandwidths=None if cached == (None,) * len(cached) else cached,
+        cached_bandwidths=None if all(c is None for c in cached) else cached,
         cache_bytes=cluster.collective_cache_bytes,
     )
 

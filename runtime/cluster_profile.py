@@ -375,13 +375,13 @@ def _collective_s(
     """The cost model's time for `timing`'s collective on `link`."""
     cached = link.cached_bandwidth
     mesh = LogicalMesh(
-        (timing.num_devices,),
-        ("a",),
-        (link.bandwidth,),
-        (link.latency,),
-        all_to_all_factor,
-        None if cached is None else (cached,),
-        None if cached is None else cache_bytes,
+        shape=(timing.num_devices,),
+        axis_names=("a",),
+        bandwidths=(link.bandwidth,),
+        latencies=(link.latency,),
+        all_to_all_factor=all_to_all_factor,
+        cached_bandwidths=None if cached is None else (cached,),
+        cache_bytes=None if cached is None else cache_bytes,
     )
     return mesh.collective_cost(timing.kind, timing.num_bytes, "a")
 
