@@ -3,7 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel bench-remat lint
+# The newest releases pip resolves, tested on Python 3.12: python3.12 where it runs, else pyenv's.
+PYTHON_LATEST ?= $(shell for p in python3.12 "$$(pyenv prefix 3.12 2>/dev/null)/bin/python"; do \
+	"$$p" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null && { echo "$$p"; break; }; done)
+VENV_LATEST := .venv-latest
+STAMP_LATEST := $(VENV_LATEST)/.installed
+
+.PHONY: demo test test-latest bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel bench-remat lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +25,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=20
+
+$(STAMP_LATEST): pyproject.toml
+	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/pip install -q --upgrade -e ".[test,clients]"
+	touch $(STAMP_LATEST)
+
+# The suite again on the newest jax, PuLP and numpy (the oldest are `make test`'s); skipped,
+# saying so, where no Python 3.12 is installed.
+test-latest:
+ifeq ($(PYTHON_LATEST),)
+	@echo "test-latest skipped: no Python 3.12 interpreter (python3.12 or pyenv's 3.12)"
+else
+	$(MAKE) --no-print-directory $(STAMP_LATEST)
+	$(VENV_LATEST)/bin/python -c "import jax, pulp, numpy; print('jax', jax.__version__, \
+	'pulp', pulp.__version__, 'numpy', numpy.__version__)"
+	$(VENV_LATEST)/bin/pytest -q -n 2 --dist loadgroup --durations=20
+endif
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/methods.py

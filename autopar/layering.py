@@ -8,6 +8,11 @@ k = the number of layers. Differentiating the result leaves matching
 markers on the tangents and cotangents, which is where the step is cut into forward and backward
 stages. With rematerialisation each layer runs under `jax.checkpoint`, so the backward pass
 recomputes the layer's activations from its inputs instead of keeping them.
+
+A `scan` over layers (`jax.lax.scan` over stacked weights, Flax's `nn.scan`) is one eqn, which no
+cut can split; the loss is first replayed with each such scan (one whose body has a heavy op)
+unrolled into its iterations, so that its layers can go to different stages. Steps that are not
+pipelined keep their scans.
 """
 
 from __future__ import annotations
@@ -16,10 +21,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxprs_in_params
 
 from autopar.options import AutoLayerOption, LayerOption, ManualLayerOption
-from autopar.planner.layers import cluster_layers, crossing_values, eqn_order, manual_layers
+from autopar.planner._compat import scan_operand_counts
+from autopar.planner.layers import (
+    HEAVY_PRIMITIVES,
+    cluster_layers,
+    crossing_values,
+    eqn_order,
+    manual_layers,
+)
 from autopar.planner.markers import layer_boundary_p
 from autopar.runtime.interpreter import bind_eqn, read
 
@@ -35,6 +48,52 @@ def _remat(option: LayerOption) -> bool:
     if isinstance(option, AutoLayerOption):
         return option.remat_mode == "coarse_grained"
     return option.remat_layer
+
+
+def _has_heavy_op(jaxpr: Jaxpr) -> bool:
+    return any(
+        eqn.primitive.name in HEAVY_PRIMITIVES
+        or any(_has_heavy_op(sub) for sub in jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _is_layer_scan(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a scan over layers: one whose body runs a heavy op."""
+    return (
+        eqn.primitive.name == "scan"
+        and eqn.params["length"] > 0
+        and _has_heavy_op(eqn.params["jaxpr"].jaxpr)
+    )
+
+
+def _unrolled_scan(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """The results of scan `eqn` on `invals`, computed by running its body once per iteration."""
+    n_consts, n_carry = scan_operand_counts(eqn.params)
+    body, length = eqn.params["jaxpr"], eqn.params["length"]
+    consts, carry, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+    ys: list[list[Any]] = [[] for _ in range(length)]
+    order = reversed(range(length)) if eqn.params["reverse"] else range(length)
+    for i in order:
+        outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *(x[i] for x in xs))
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
+    return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
+
+
+def _scans_unrolled(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """`closed` evaluated on `args` with its scans over layers unrolled (module docstring)."""
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(env, v) for v in eqn.invars]
+        outs = _unrolled_scan(eqn, invals) if _is_layer_scan(eqn) else bind_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 def _run_eqns(eqns: Sequence[JaxprEqn], env: dict[Any, Any]) -> None:
@@ -89,6 +148,10 @@ def layered(fun: Callable, option: LayerOption) -> Callable:
 
     def run(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        if any(_is_layer_scan(eqn) for eqn in closed.jaxpr.eqns):
+            closed = jax.make_jaxpr(lambda *flat: _scans_unrolled(closed, flat))(
+                *jax.tree_util.tree_leaves(args)
+            )
         layer_of = layer_assignment(closed, option)
         flat = _replay(closed, layer_of, _remat(option), jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)

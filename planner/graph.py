@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal
 
+from autopar.planner._compat import PARAM_LAYOUT_ERRORS, warn_unknown_params
 from autopar.planner.primitives import PRIMITIVES, FlopRule
 
 logger = logging.getLogger(__name__)
@@ -153,11 +154,11 @@ class OpGraph:
 # ----------------------------------------------------------------------------- inlining
 
 # Call-like primitive -> the param holding its body (a ClosedJaxpr or an open Jaxpr).
-# jax 0.10.2 names pjit "jit", remat "remat2", core.call_p "call"; the others are kept for
-# older/newer spellings.
+# jax 0.10.2 names pjit "jit", remat "remat2", core.call_p "call"; closed_call is "eval_jaxpr"
+# from 0.11.1; the others are kept for older/newer spellings.
 _INLINED_BODY_PARAM = {
     **dict.fromkeys(("jit", "pjit", "remat2", "checkpoint"), "jaxpr"),
-    **dict.fromkeys(("closed_call", "call", "core_call"), "call_jaxpr"),
+    **dict.fromkeys(("closed_call", "eval_jaxpr", "call", "core_call"), "call_jaxpr"),
     **dict.fromkeys(("custom_jvp_call", "custom_vjp_call"), "call_jaxpr"),
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
@@ -281,7 +282,11 @@ def eqn_flops(eqn: JaxprEqn) -> float:
     if rule is None:
         logger.debug("no FLOP rule for primitive %r; counting 0 FLOPs", eqn.primitive.name)
         return 0.0
-    return rule(eqn)
+    try:
+        return rule(eqn)
+    except PARAM_LAYOUT_ERRORS as error:
+        warn_unknown_params(eqn.primitive.name, "FLOP count (one per output element)", error)
+        return elementwise_flops(eqn)
 
 
 def jaxpr_flops(jaxpr: Jaxpr) -> float:

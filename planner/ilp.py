@@ -41,14 +41,14 @@ import itertools
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pulp
 
-from autopar.planner.errors import InfeasibleError, MemoryBudgetError
+from autopar.planner._compat import pulp_sum, pulp_variable, solve_cbc
+from autopar.planner.errors import InfeasibleError, InvalidArgumentError, MemoryBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -186,22 +186,17 @@ class _Model:
         lower, upper = self.bounds(closed)
         prob = pulp.LpProblem("autopar", pulp.LpMinimize)
         variables = [
-            pulp.LpVariable(
-                name,
-                lowBound=None if lo == -np.inf else lo,
-                upBound=None if hi == np.inf else hi,
-                cat=pulp.LpInteger if integer else pulp.LpContinuous,
+            pulp_variable(
+                prob, name, None if lo == -np.inf else lo, None if hi == np.inf else hi, integer
             )
             for name, lo, hi, integer in zip(self.names, lower, upper, self._integer, strict=True)
         ]
         nonzero = np.flatnonzero(self.cost)
-        prob += pulp.LpAffineExpression([(variables[c], self.cost[c]) for c in nonzero])
+        prob += pulp_sum((variables[c], self.cost[c]) for c in nonzero)
         for i, (cols, coefs, lo, hi) in enumerate(
             zip(self.row_cols, self.row_coefs, self.row_lower, self.row_upper, strict=True)
         ):
-            expr = pulp.LpAffineExpression(
-                [(variables[c], v) for c, v in zip(cols, coefs, strict=True)]
-            )
+            expr = pulp_sum((variables[c], v) for c, v in zip(cols, coefs, strict=True))
             if lo == hi:
                 prob += expr == lo, f"r{i}"
             else:
@@ -443,21 +438,24 @@ class IntraOpIlp:
         """Solve with CBC (PuLP's): without `start`, which its command line cannot take; its
         LP relaxation with `relaxed`; stopped at the first plan with `first_plan`."""
         prob, variables = model.pulp_problem(closed)
-        with warnings.catch_warnings():  # PuLP 3.x warns about its bundled CBC's future
-            warnings.simplefilter("ignore", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(
-                msg=False,
-                timeLimit=time_limit_s,
-                gapRel=self.relative_gap,
-                mip=not relaxed,
-                options=["maxSolutions 1"] if first_plan else [],
+        outcome = solve_cbc(
+            prob,
+            msg=False,
+            timeLimit=time_limit_s,
+            gapRel=self.relative_gap,
+            mip=not relaxed,
+            options=["maxSolutions 1"] if first_plan else [],
+        )
+        if outcome is None:
+            raise InvalidArgumentError(
+                f"solver='cbc' needs PuLP's CBC, and PuLP {pulp.__version__} finds none: "
+                "install it with `pip install 'pulp[cbc]'` or plan with solver='highs'"
             )
-        prob.solve(solver)
         status = {
-            pulp.LpSolutionOptimal: _Status.OPTIMAL,
-            pulp.LpSolutionIntegerFeasible: _Status.FEASIBLE,
-            pulp.LpSolutionNoSolutionFound: _Status.NO_SOLUTION,
-        }.get(prob.sol_status, _Status.INFEASIBLE)
+            "optimal": _Status.OPTIMAL,
+            "feasible": _Status.FEASIBLE,
+            "no_solution": _Status.NO_SOLUTION,
+        }.get(outcome, _Status.INFEASIBLE)
         if status not in (_Status.OPTIMAL, _Status.FEASIBLE):
             return status, None
         return status, np.array([v.varValue or 0.0 for v in variables])

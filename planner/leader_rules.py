@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from autopar.planner._compat import scan_operand_counts
 from autopar.planner.cost import LogicalMesh
 from autopar.planner.graph import OpNode
 from autopar.planner.plan import Spec
@@ -242,7 +243,7 @@ def _split_first(shape: Sequence[int], first: int | None, size: int, axes: Axes)
 @leader_rule("scan")
 def scan_strategies(node: OpNode, mesh: LogicalMesh) -> list[Strategy]:
     """Batch split guessed from the carries' dim 0 and the xs' dim 1 (dim 0 is the scan axis)."""
-    n_consts, n_carry = node.params["num_consts"], node.params["num_carry"]
+    n_consts, n_carry = scan_operand_counts(node.params)
     n_in = len(node.in_avals)
     in_first = [0] * (n_consts + n_carry) + [1] * (n_in - n_consts - n_carry)
     out_first = [0] * n_carry + [1] * (len(node.out_avals) - n_carry)

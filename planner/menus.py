@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from autopar.planner._compat import PARAM_LAYOUT_ERRORS, warn_unknown_params
 from autopar.planner.cost import Collective, LogicalMesh, resharding_collectives, result_bytes
 from autopar.planner.graph import OpNode
 from autopar.planner.groups import Group, Grouping, Value, input_value
@@ -213,7 +214,11 @@ class MenuBuilder:
 
     def _leader_strategies(self, node: OpNode) -> list[Strategy]:
         if node.primitive in LEADER_RULES:
-            return LEADER_RULES[node.primitive](node, self.mesh)
+            try:
+                return LEADER_RULES[node.primitive](node, self.mesh)
+            except PARAM_LAYOUT_ERRORS as error:
+                warn_unknown_params(node.primitive, "sharding (replicated)", error)
+                return [replicated_strategy(node)]
         if all(self.grouping.value_of(r) is None for r in node.inputs):
             return source_strategies(node, self.mesh)
         if node.primitive not in FOLLOW_RULES and node.primitive not in self._warned:
@@ -223,6 +228,13 @@ class MenuBuilder:
                 node.primitive,
             )
         return [replicated_strategy(node)]
+
+    def _follow(self, node: OpNode, operand: int, spec: Spec) -> Strategy | None:
+        try:
+            return FOLLOW_RULES[node.primitive](node, operand, spec, self.mesh)
+        except PARAM_LAYOUT_ERRORS as error:
+            warn_unknown_params(node.primitive, "sharding (replicated)", error)
+            return None
 
     def _build_menu(self, group: Group) -> Menu:
         graph = self.grouping.graph
@@ -253,7 +265,7 @@ class MenuBuilder:
                 have = specs[source]
                 found = followed.get((j, have))
                 if found is None:
-                    s = FOLLOW_RULES[node.primitive](node, pos, have, self.mesh)
+                    s = self._follow(node, pos, have)
                     s = replicated_strategy(node) if s is None else s
                     outs = [((j, o), spec) for o, spec in enumerate(s.out_specs)]
                     found = followed[j, have] = s, outs

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
-from autopar.planner._jax_compat import source_line
+from autopar.planner._compat import source_line
 from autopar.planner.errors import PlanningError
 from autopar.planner.markers import (
     GRAD_BOUNDARY,

@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.planner._jax_compat import bind_checkpoint
+from autopar.planner._compat import bind_checkpoint
 from autopar.planner.graph import inlined_body, is_checkpoint
 from autopar.planner.markers import grad_boundary_p, param_use_p
 from autopar.planner.plan import MeshPlan, PartialSumLowering, Spec, StagePlan

@@ -83,7 +83,7 @@ def test_highs_thread_started_elsewhere_still_solves(caplog):
 
     def start_highs_on_two_threads_then_plan(found: list) -> None:
         prob = pulp.LpProblem("other_code", pulp.LpMinimize)
-        x = pulp.LpVariable("x", cat=pulp.LpBinary)
+        x = prob.add_variable("x", cat=pulp.LpBinary)
         prob += x
         prob += x >= 1
         prob.solve(pulp.HiGHS(msg=False, threads=2))

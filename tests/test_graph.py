@@ -234,6 +234,19 @@ def test_nested_jit_is_inlined_with_path_ids():
     assert graph.outputs == (node_ref("4"),)
 
 
+@pytest.mark.skipif(
+    jax.extend.core.primitives.closed_call_p.name != "eval_jaxpr",
+    reason="closed_call is eval_jaxpr from jax 0.11.1, which binds it on arrays directly",
+)
+def test_eval_jaxpr_call_is_inlined():
+    body = jax.make_jaxpr(lambda a: jnp.sin(a) * 2.0)(_X)
+    call = jax.extend.core.primitives.closed_call_p
+    graph = graph_of(lambda a: call.bind(jnp.cos(a), call_jaxpr=body)[0] + 1.0, _X)
+    assert [(n.id, n.primitive) for n in graph.nodes] == [
+        ("0", "cos"), ("1/0", "sin"), ("1/1", "mul"), ("2", "add"),
+    ]  # fmt: skip
+
+
 def test_checkpoint_body_is_inlined_with_remat_region():
     closed = jax.make_jaxpr(FAMILY["checkpoint_grad"][0])(_X)
     (i,) = [i for i, e in enumerate(closed.jaxpr.eqns) if is_checkpoint(e)]

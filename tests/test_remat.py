@@ -202,15 +202,20 @@ def test_pipeline_memory_floor_answers_before_any_ilp(gpu_costs, monkeypatch):
         autopar.plan(step, state, batch, method=_pipeline(9 * 2**20, "none"))
     message = str(info.value)
     assert "fits in 9.0 MiB per device" in message
-    assert "one micro-batch of activations" in message and "at least 10.9 MiB" in message
+    # 10.9 MiB on jax 0.10; 9.4 on 0.12, whose differentiation keeps fewer residuals (one
+    # micro-batch of activations: 72.3 MiB against 84.6).
+    assert info.value.least > 9 * 2**20
+    least = f"at least {info.value.least / 2**20:.1f} MiB"
+    assert "one micro-batch of activations" in message and least in message
     assert 'remat_mode="coarse_grained"' in message
-    assert info.value.least == pytest.approx(10.9 * 2**20, rel=0.01)
 
 
 def test_pipeline_budget_nothing_fits_says_both_were_tried(gpu_costs):
+    """4.7 MiB is under the leanest plan with each layer recomputed (5.0 MiB there on jax 0.10
+    and 0.12; 4.85 fits on 0.12, 5.3 does on 0.10) and over the memory floor."""
     step, state, batch = abstract_train_inputs(gpt, GPT, BATCH)
     with pytest.raises(autopar.MemoryBudgetError) as info:
-        autopar.plan(step, state, batch, method=_pipeline(5 * 2**20))
+        autopar.plan(step, state, batch, method=_pipeline(4.7 * 2**20))
     message = str(info.value)
     assert "neither as the step is nor with each layer recomputed" in message
     for option in ("num_micro_batches=4", "more devices", "memory_budget_per_device"):

@@ -341,8 +341,16 @@ def test_gpt_numerics_and_repeated_layers_share_a_class():
     assert classes < groups
 
 
+# XLA:CPU from jax 0.12 splits GELU's backward into more fusions, each writing its own copy of
+# the MLP activations (the 2-layer GPT's buffer assignment: 17 values of f32[2,32,256], 64 KiB
+# each, in 11 allocations, against 8 in 5 on 0.10): about 0.5 MB that the memory model, which
+# prices the fusions of a GPU compiler, does not count.
+GPT_MEMORY_TOLERANCE = 0.30 if jax.__version_info__ >= (0, 12) else 0.15
+
+
 def test_cost_model_against_xla():
-    """Predicted collective bytes and peak memory against the compiled HLO and XLA's analysis."""
+    """Predicted collective bytes and peak memory against the compiled HLO and XLA's analysis:
+    within 15% (the 2-layer GPT on jax 0.12: `GPT_MEMORY_TOLERANCE`)."""
     cases = {
         "mlp-dp": _mlp(4096, 64, 64),
         "mlp-megatron": _mlp(8, 1024, 4096),
@@ -376,7 +384,8 @@ def test_cost_model_against_xla():
     for name, cp, ch, mp, mx in rows:
         print(f"{name:<14}{cp:>12.0f}{ch:>12.0f}{mp:>12.0f}{mx:>12.0f}")
     for name, cp, ch, mp, mx in rows:
-        assert abs(mp - mx) <= 0.15 * mx, (name, mp, mx)
+        tolerance = GPT_MEMORY_TOLERANCE if name == "gpt-2-layer" else 0.15
+        assert abs(mp - mx) <= tolerance * mx, (name, mp, mx)
         assert abs(cp - ch) <= 0.10 * max(ch, 1), (name, cp, ch)
 
 

@@ -53,8 +53,14 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: Any = jnp.float32
     pipeline_boundaries: bool = False  # mark a pipeline layer boundary between blocks
+    scan_layers: bool = False  # the blocks as one `nn.scan` over stacked weights (MaxText's way)
 
     def __post_init__(self) -> None:
+        if self.scan_layers and self.pipeline_boundaries:
+            raise ValueError(
+                "GPTConfig.pipeline_boundaries marks boundaries between blocks, which "
+                "scan_layers=True runs as one scan: set one of them"
+            )
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"GPTConfig.hidden ({self.hidden}) must be divisible by "
@@ -113,6 +119,16 @@ class Block(nn.Module):
         return x + nn.Dense(c.hidden, dtype=c.dtype, name="fc_out")(h)
 
 
+class _ScannedBlock(nn.Module):
+    """`Block` as the body of `nn.scan`: the hidden state is the carry, nothing is stacked out."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return Block(self.config, name="block")(x), None
+
+
 def embed_tokens(module: nn.Module, config: GPTConfig, tokens: jax.Array) -> jax.Array:
     """Token + learned position embeddings, created as `module`'s ``wte`` and ``wpe``.
 
@@ -140,6 +156,15 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         x = embed_tokens(self, c, tokens)
+        if c.scan_layers:
+            blocks = nn.scan(
+                _ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=c.num_layers,
+            )
+            x, _ = blocks(c, name="blocks")(x, None)
+            return lm_logits(c, x)
         for i in range(c.num_layers):
             if c.pipeline_boundaries and i > 0:
                 mark_pipeline_boundary()
