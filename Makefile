@@ -21,10 +21,17 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/gpt.py
 
 # Two pytest workers: one alone keeps a 2-core machine about 60% busy. Tests marked xdist_group
-# share a worker, so one local Ray instance runs at a time.
+# share a worker, so one local Ray instance runs at a time. The run's tests share a fresh XLA
+# compilation cache (many compile the same programs), removed when they end.
+define run_suite
+	cache=$$(mktemp -d) && JAX_COMPILATION_CACHE_DIR=$$cache \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	$(1)/bin/pytest -q -n 2 --dist loadgroup --durations=20; rc=$$?; rm -rf "$$cache"; exit $$rc
+endef
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=20
+	$(call run_suite,$(VENV))
 
 $(STAMP_LATEST): pyproject.toml
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
@@ -41,7 +48,7 @@ else
 	$(MAKE) --no-print-directory $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/python -c "import jax, pulp, numpy; print('jax', jax.__version__, \
 	'pulp', pulp.__version__, 'numpy', numpy.__version__)"
-	$(VENV_LATEST)/bin/pytest -q -n 2 --dist loadgroup --durations=20
+	$(call run_suite,$(VENV_LATEST))
 endif
 
 bench: $(STAMP)

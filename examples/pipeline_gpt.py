@@ -1,12 +1,14 @@
 """Pipeline a GPT train step over 8 simulated CPU devices with PipeshardParallel.
 
     python examples/pipeline_gpt.py [--stages 2|4] [--auto-stages]
-        [--schedule 1f1b|gpipe|zero_bubble|interleaved_1f1b|auto]
+        [--schedule 1f1b|gpipe|zero_bubble|interleaved_1f1b|auto] [--scan-layers]
 
 One layer per transformer block (`pipeline_boundaries=True` marks them), grouped into stages on
 disjoint sub-meshes (with interleaved_1f1b, --stages sub-meshes of two layer chunks each); each
-stage is sharded by the ILP. Prints the plan, the schedule's clock
-table and the loss of a few steps, and checks the parameters against the serial `jax.jit` step.
+stage is sharded by the ILP. With --scan-layers the blocks are one `nn.scan` over stacked weights
+instead, which autopar unrolls and cuts into one layer per block itself. Prints the plan, the
+schedule's clock table and the loss of a few steps, and checks the parameters against the serial
+`jax.jit` step.
 """
 
 import argparse
@@ -31,15 +33,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan")
     args = parser.parse_args()
 
-    config = GPTConfig(num_layers=args.layers, pipeline_boundaries=True)
+    if args.scan_layers:
+        config = GPTConfig(num_layers=args.layers, scan_layers=True)
+        layer_option = autopar.AutoLayerOption(layer_num=args.layers)
+    else:
+        config = GPTConfig(num_layers=args.layers, pipeline_boundaries=True)
+        layer_option = autopar.ManualLayerOption()
     stage_option = (
         autopar.AutoStageOption() if args.auto_stages else autopar.UniformStageOption(args.stages)
     )
     method = autopar.PipeshardParallel(
         num_micro_batches=args.micro_batches,
-        layer_option=autopar.ManualLayerOption(),
+        layer_option=layer_option,
         stage_option=stage_option,
         pipeline_schedule=args.schedule,
     )
