@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from autopar.planner._compat import single_device_sharding
 from autopar.planner.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: Any, step: int) -> pathl
 def _abstract_leaf(name: str, stored: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     """The stored shape and dtype with the target sharding (None: the first local device)."""
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sharding = single_device_sharding(jax.local_devices()[0])
     elif not isinstance(sharding, jax.sharding.Sharding):
         raise InvalidArgumentError(
             f"target_shardings leaf {name} is a {type(sharding).__name__}, "

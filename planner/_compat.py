@@ -9,7 +9,7 @@ reaches into `jax._src`. Needed for:
   `jax.checkpoint` always records ``differentiated=False``, and only differentiated remats get
   the optimization barrier that stops XLA from merging the backward recomputation with the
   forward pass;
-* naming the user's source line of an eqn in errors;
+* naming the user's source line of an eqn in errors, and a single-device sharding;
 * PuLP's model API (PuLP 4 has a new core: variables come from the problem, expressions from
   factory methods) and its CBC, bundled until PuLP 3 and the ``pulp[cbc]`` extra's from 4.
 """
@@ -62,6 +62,13 @@ def scan_operand_counts(params: Mapping[str, Any]) -> tuple[int, int]:
         consts, carry, _ = flat_tree.unpack()
         return len(consts), len(carry)
     raise UnknownParamLayout(f"scan params {sorted(params)} name neither num_consts nor ft_in")
+
+
+def single_device_sharding(device: jax.Device) -> jax.sharding.Sharding:
+    """A sharding that places an array whole on `device` (jax 0.12 deprecates building
+    `SingleDeviceSharding` directly for `make_single_device_sharding`)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
 
 
 def bind_checkpoint(

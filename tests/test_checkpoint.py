@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from conftest import relative_error, serial_state
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import autopar
 from autopar.models import MLPConfig, mlp
+from autopar.planner._compat import single_device_sharding
 
 CONFIG = MLPConfig(in_dim=64, hidden=64, out_dim=64, num_layers=4)
 BATCH_SIZE = 32
@@ -100,7 +101,7 @@ def test_restored_arrays_carry_target_shardings(shard_ckpt):
     directory, saved, _ = shard_ckpt
     target = _target("zero3", saved).replace(step=None)
     restored = autopar.restore_checkpoint(directory, STEPS, target)
-    assert restored.step.sharding == SingleDeviceSharding(jax.local_devices()[0])
+    assert restored.step.sharding == single_device_sharding(jax.local_devices()[0])
     sharded = 0
     for leaf, sharding, expected in zip(
         jax.tree.leaves(restored.replace(step=None)),
