@@ -84,21 +84,30 @@ def _unrolled_scan(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
 
 
+def _bind_unrolling_scans(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    return _unrolled_scan(eqn, invals) if _is_layer_scan(eqn) else bind_eqn(eqn, invals)
+
+
 def _scans_unrolled(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
     """`closed` evaluated on `args` with its scans over layers unrolled (module docstring)."""
-    jaxpr = closed.jaxpr
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(env, v) for v in eqn.invars]
-        outs = _unrolled_scan(eqn, invals) if _is_layer_scan(eqn) else bind_eqn(eqn, invals)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(env, v) for v in jaxpr.outvars]
+    env = _inputs_env(closed, args)
+    _run_eqns(closed.jaxpr.eqns, env, _bind_unrolling_scans)
+    return [read(env, v) for v in closed.jaxpr.outvars]
 
 
-def _run_eqns(eqns: Sequence[JaxprEqn], env: dict[Any, Any]) -> None:
+def _inputs_env(closed: ClosedJaxpr, args: Sequence[Any]) -> dict[Any, Any]:
+    env: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    return env
+
+
+def _run_eqns(
+    eqns: Sequence[JaxprEqn],
+    env: dict[Any, Any],
+    bind: Callable[[JaxprEqn, Sequence[Any]], list[Any]] = bind_eqn,
+) -> None:
     for eqn in eqns:
-        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, v) for v in eqn.invars]), strict=True))
+        env.update(zip(eqn.outvars, bind(eqn, [read(env, v) for v in eqn.invars]), strict=True))
 
 
 def _run_layer_remat(eqns: Sequence[JaxprEqn], env: dict[Any, Any], keep: Sequence[Var]) -> None:
@@ -121,8 +130,7 @@ def _run_layer_remat(eqns: Sequence[JaxprEqn], env: dict[Any, Any], keep: Sequen
 
 def _replay(closed: ClosedJaxpr, layer_of: list[int], remat: bool, args: Sequence[Any]) -> list:
     jaxpr = closed.jaxpr
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    env = _inputs_env(closed, args)
     crossing = crossing_values(jaxpr, layer_of)
     layers = eqn_order(jaxpr, layer_of)
     outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}

@@ -509,9 +509,9 @@ _NETWORK_ALPHA = 8.4e-6 + 14e-6  # 22.4 µs
 # on V100/A100/H100). A kernel launch with its grid set-up costs a few µs (CUDA launch latency
 # ≈ 3–5 µs; XLA launches each fusion on its own).
 # The host's share of a step (JAX's dispatch of a program and its buffers) as `profile_cluster`
-# measured it on a lent H100 machine (16 vCPUs of a virtualised Xeon, jax 0.11, 2026-11-25;
+# measured it on a lent H100 machine (16 vCPUs of a virtualised Xeon;
 # benchmarks/results/cost_model_gpu.json): 50 µs to launch a program and wait for it, 1.9 µs
-# per input or output buffer; and on a lent H200 (jax 0.11.2, 2026-11-26) what each kernel adds
+# per input or output buffer; and on a lent H200 what each kernel adds
 # where the buffers moved (`KernelTiming.update_per_kernel_s`): 1.55, 1.17 and 0.81 µs in three
 # measurements; the median.
 _GPU_COMPUTE_EFFICIENCY = 0.75
@@ -575,12 +575,13 @@ _PRESETS: dict[str, ClusterSpec] = {
         memory_bandwidth=3.35e12,  # H100 SXM HBM3 (datasheet)
         fp32_flops=67e12,  # H100 SXM fp32 (datasheet)
         tf32_flops=494.7e12,  # H100 SXM TF32 dense tensor-core peak
-        # `profile_cluster` on a lent H200 (the same Hopper SMs and clocks; jax 0.11.2,
-        # 2026-11-27): a 4096-row column reduction's loop, 0.96 G rows/s. V100 and A100: none
+        # `profile_cluster` on a lent H200 (the same Hopper SMs and clocks;
+        # benchmarks/results/cost_model_gpu.json): a 4096-row column reduction's loop,
+        # 0.96 G rows/s. V100 and A100: none
         # measured, so their column reductions are priced by their bytes.
         column_reduction_rate=0.96e9,
         # the same with an element-wise output fused in: 0.34 and 0.36 G rows/s per array on
-        # two lent H200s (2026-11-28)
+        # two lent H200s
         column_reduction_array_rate=0.35e9,
         **_GPU_EFFICIENCIES,
     ),
