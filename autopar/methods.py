@@ -33,7 +33,12 @@ from autopar.options import (
 )
 from autopar.plan_store import check_plan_fits, layer_option_of, read_plan_file, tracing_record
 from autopar.planner.cluster import ClusterSpec
-from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError, check_positive_int
+from autopar.planner.errors import (
+    InvalidArgumentError,
+    MemoryBudgetError,
+    check_memory_budget,
+    check_positive_int,
+)
 from autopar.planner.explicit import ZeroStage, plan_data_parallel
 from autopar.planner.intra import plan_shard_parallel
 from autopar.planner.pipeline import split_step
@@ -141,14 +146,18 @@ class DataParallel(ParallelMethod):
         device adds up its own partial sums and the step reduces them once, after the last
         micro-batch (ZeRO-2/3: where the device memory has room for whole accumulators, largest
         gradients first; the others are reduce-scattered per micro-batch).
+      memory_budget_per_device: bytes each device may hold at peak (None: the cluster's device
+        memory); a plan predicted over it raises `MemoryBudgetError`.
     """
 
     devices: Any = None
     num_micro_batches: int | None = None
+    memory_budget_per_device: float | None = None
     zero_stage: ClassVar[ZeroStage] = ZeroStage.DATA_PARALLEL
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
+        check_memory_budget(self.memory_budget_per_device)
 
     @property
     def regather_params(self) -> bool:
@@ -163,7 +172,12 @@ class DataParallel(ParallelMethod):
         k = self.num_micro_batches or 1
         program = request.traced.program
         plan = plan_data_parallel(
-            program, request.mesh, request.cluster, stage=self.zero_stage, num_micro_batches=k
+            program,
+            request.mesh,
+            request.cluster,
+            stage=self.zero_stage,
+            num_micro_batches=k,
+            memory_budget=self.memory_budget_per_device,
         )
         return request.traced, plan
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
-from autopar.planner.errors import InvalidArgumentError, check_positive_int
+from autopar.planner.errors import InvalidArgumentError, check_memory_budget, check_positive_int
 from autopar.planner.ilp import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
 from autopar.planner.intra import IntraOpConfig
 from autopar.planner.stage_options import (
@@ -64,17 +63,7 @@ class AutoShardingOption:
     force_batch_dim_to_mesh_dim: int | None = None
 
     def __post_init__(self) -> None:
-        budget = self.memory_budget_per_device
-        if budget is not None and not (
-            isinstance(budget, numbers.Real)
-            and not isinstance(budget, bool)
-            and math.isfinite(budget)
-            and budget > 0
-        ):
-            raise InvalidArgumentError(
-                f"memory_budget_per_device must be a positive number of bytes or None, got "
-                f"{budget!r}"
-            )
+        check_memory_budget(self.memory_budget_per_device)
         if self.solver not in SOLVERS:
             raise InvalidArgumentError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
         limit = self.time_limit_s

@@ -22,6 +22,7 @@ from autopar.markers import held_by_module, tracing_scope
 from autopar.options import LayerOption
 from autopar.planner.errors import InvalidArgumentError, TracingError
 from autopar.planner.fingerprint import jaxpr_fingerprint
+from autopar.planner.found_gradients import mark_found_gradients
 from autopar.planner.graph import (
     TensorInfo,
     inlined_body,
@@ -401,6 +402,8 @@ def trace_step(
         donated_inputs=tuple(k for k, a in enumerate(arg_of_leaf) if a in donate_argnums),
         output_to_input=output_to_input,
     )
+    if num_micro_batches == 1 and layer_option is None:
+        closed = mark_found_gradients(closed, batch_inputs, output_to_input)
     program = Program(closed, signature, jaxpr_fingerprint(closed))
     return TracedStep(
         fun_name=fun_name,

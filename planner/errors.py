@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -44,3 +45,19 @@ def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise InvalidArgumentError(f"{name}={value!r} must be a positive integer")
     return int(value)
+
+
+def check_memory_budget(value: object) -> float | None:
+    """`value` as bytes per device, or None; InvalidArgumentError unless it is a finite
+    positive number or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise InvalidArgumentError(
+            f"memory_budget_per_device must be a positive number of bytes or None, got {value!r}"
+        )
+    return float(value)

@@ -34,7 +34,7 @@ from autopar.planner.cost import (
     result_bytes,
     spec_bytes_per_device,
 )
-from autopar.planner.errors import InvalidArgumentError
+from autopar.planner.errors import InvalidArgumentError, MemoryBudgetError
 from autopar.planner.gradients import (
     GradientChain,
     gradient_chains,
@@ -66,6 +66,7 @@ from autopar.planner.plan import (
 from autopar.planner.program import Program
 from autopar.planner.roofline import Roofline, fresh_memory_s, launch_s
 from autopar.planner.strategy import without_axes
+from autopar.planner.summary import format_bytes
 
 
 class ZeroStage(enum.Enum):
@@ -189,11 +190,15 @@ def plan_data_parallel(
     *,
     stage: ZeroStage,
     num_micro_batches: int,
+    memory_budget: float | None = None,
 ) -> Plan:
     """The plan of `stage` for `program` on `mesh` (all axes used for data parallelism).
 
     With micro-batches, gradients are accumulated on each device and reduced once per step
-    where memory allows (`_reduce_once_where_room`), else reduce-scattered per micro-batch."""
+    where memory allows (`_reduce_once_where_room`), else reduce-scattered per micro-batch.
+    A plan whose predicted peak exceeds `memory_budget` (default: the device memory) raises
+    `MemoryBudgetError`."""
+    budget = memory_budget or cluster.device_memory
     n = mesh.num_devices
     k = num_micro_batches
     check_batch_divisible(program, n, k)
@@ -205,19 +210,45 @@ def plan_data_parallel(
         per_micro_batch, _ = _stage_plan(program, mesh, stage, gradients, once, k)
         cpu = cluster.platform == "cpu"
         without = _memory(program, step, per_micro_batch, stage, lmesh, cpu, k)[0]
-        once = _reduce_once_where_room(gradients, stage, without, cluster.device_memory, n)
+        once = _reduce_once_where_room(gradients, stage, without, budget, n)
     stage_plan, once = _stage_plan(program, mesh, stage, gradients, once, k)
+    predicted = predict(program, step, stage_plan, cluster, stage, gradients, once, k)
+    if predicted.memory_per_device_bytes > budget:
+        raise _over_budget(stage, predicted, budget, n, k)
     sig = program.signature
     return Plan(
         method=PlanMethod(stage.value),
         num_micro_batches=k,
         stages=(stage_plan,),
-        predicted=predict(program, step, stage_plan, cluster, stage, gradients, once, k),
+        predicted=predicted,
         cluster=cluster,
         input_paths=sig.input_paths,
         output_paths=sig.output_paths,
         donated_inputs=sig.donated_inputs,
         fingerprint=program.fingerprint,
+    )
+
+
+_NEXT_STEP = {
+    ZeroStage.DATA_PARALLEL: "Zero2Parallel or Zero3Parallel (optimizer state or parameters "
+    "split over the devices)",
+    ZeroStage.ZERO2: "Zero3Parallel (parameters split too)",
+    ZeroStage.ZERO3: "ShardParallel (tensor parallelism as well)",
+}
+
+
+def _over_budget(
+    stage: ZeroStage, predicted: Predicted, budget: float, n: int, k: int
+) -> MemoryBudgetError:
+    need = predicted.memory_per_device_bytes
+    return MemoryBudgetError(
+        f"the {stage.value} plan needs about {format_bytes(need)} per device on {n} devices, "
+        f"over the memory budget of {format_bytes(budget)}: use {_NEXT_STEP[stage]}, "
+        f"accumulate gradients over more micro-batches (num_micro_batches={2 * k}), cut the "
+        "model into pipeline stages (PipeshardParallel), use more devices, or raise "
+        "memory_budget_per_device",
+        budget,
+        need,
     )
 
 

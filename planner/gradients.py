@@ -77,7 +77,7 @@ def _is_size_one_sum(node: OpNode) -> bool:
     )
 
 
-def _passes_through(node: OpNode) -> bool:
+def passes_through(node: OpNode) -> bool:
     """Whether a gradient keeps its layout through `node` (see the module docstring)."""
     if node.primitive in (*_SAME_LAYOUT, "transpose", "add_any") or _is_size_one_sum(node):
         return True
@@ -114,7 +114,7 @@ def gradient_chains(graph: OpGraph) -> list[GradientChain]:
                     complete = False
                 if node.primitive in SUM_PRIMITIVES and not _is_size_one_sum(node):
                     sums.append(node.id)
-                elif _passes_through(node):
+                elif passes_through(node):
                     stack.extend(node.inputs)
                 else:
                     complete = False

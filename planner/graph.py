@@ -371,6 +371,12 @@ def build_graph(closed_jaxpr: ClosedJaxpr) -> OpGraph:
         graph = build_graph(jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(x, w))
         assert [n.primitive for n in graph.nodes] == ["dot_general", "tanh"]
     """
+    return graph_with_refs(closed_jaxpr)[0]
+
+
+def graph_with_refs(closed_jaxpr: ClosedJaxpr) -> tuple[OpGraph, dict[Any, ValueRef]]:
+    """The OpGraph of `closed_jaxpr` and the ref each top-level var (input or eqn result) reads
+    in it: what a rewrite of the jaxpr needs to act on what it found in the graph."""
     jaxpr = closed_jaxpr.jaxpr
     env: dict[Any, ValueRef] = {
         v: ValueRef(ValueKind.CONST, i) for i, v in enumerate(jaxpr.constvars)
@@ -378,11 +384,12 @@ def build_graph(closed_jaxpr: ClosedJaxpr) -> OpGraph:
     env.update((v, ValueRef(ValueKind.INPUT, i)) for i, v in enumerate(jaxpr.invars))
     nodes: list[OpNode] = []
     _walk(jaxpr, env, "", None, nodes)
-    return OpGraph(
+    graph = OpGraph(
         inputs=tuple(tensor_info(v.aval) for v in jaxpr.invars),
         nodes=tuple(nodes),
         outputs=tuple(_read(env, v) for v in jaxpr.outvars),
     )
+    return graph, env
 
 
 # ----------------------------------------------------------------------------- queries

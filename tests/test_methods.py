@@ -159,3 +159,35 @@ def test_predicted_communication_orders_methods():
         > plans["zero3"].predicted.memory_per_device_bytes
     )
     assert plans["zero3"].predicted.communication_bytes > plans["dp"].predicted.communication_bytes
+
+
+BUDGETED = {
+    "dp": lambda budget: autopar.DataParallel(memory_budget_per_device=budget),
+    "zero2": lambda budget: autopar.Zero2Parallel(memory_budget_per_device=budget),
+    "zero3": lambda budget: autopar.Zero3Parallel(memory_budget_per_device=budget),
+    "shard": lambda budget: autopar.ShardParallel(
+        auto_sharding_option=autopar.AutoShardingOption(memory_budget_per_device=budget)
+    ),
+}
+
+
+@pytest.mark.parametrize("method", BUDGETED)
+def test_every_method_refuses_a_plan_over_the_memory_budget(method):
+    """The same budget means the same for every method: a plan predicted over it raises
+    MemoryBudgetError with the figures, never a plan that cannot fit."""
+    config = MLPConfig()
+    state = mlp.create_train_state(config, batch_size=2)
+    batch = mlp.make_batch(config, 16)
+    fits = autopar.plan(mlp.train_step, state, batch, method=BUDGETED[method](None))
+    need = fits.predicted.memory_per_device_bytes
+    with pytest.raises(autopar.MemoryBudgetError, match="memory budget") as info:
+        autopar.plan(mlp.train_step, state, batch, method=BUDGETED[method](need / 4))
+    assert info.value.budget == need / 4 and info.value.least > need / 4
+    budget = autopar.plan(mlp.train_step, state, batch, method=BUDGETED[method](need * 1.01))
+    assert budget.predicted.memory_per_device_bytes <= need * 1.01
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("inf"), "1GB", True])
+def test_data_parallel_rejects_a_bad_memory_budget(budget):
+    with pytest.raises(autopar.InvalidArgumentError, match="memory_budget_per_device"):
+        autopar.Zero3Parallel(memory_budget_per_device=budget)
