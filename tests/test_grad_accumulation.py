@@ -211,7 +211,9 @@ def test_zero3_reduces_once_with_memory_to_spare_and_per_micro_batch_when_tight(
     roomy, params, serial = _zero3(8e9)
     assert relative_error(params, serial) <= 1e-5
     assert set(roomy.plan.stages[0].gradient_reduction.values()) == {ONCE_PER_STEP}
-    least = _zero3(1e3)[0].plan.predicted.memory_per_device_bytes  # nothing fits: all sliced
+    with pytest.raises(autopar.MemoryBudgetError) as nothing_fits:  # all sliced, still over
+        _zero3(1e3)
+    least = nothing_fits.value.least
     tight, params, serial = _zero3(least * 1.01)
     assert relative_error(params, serial) <= 1e-5
     assert set(tight.plan.stages[0].gradient_reduction.values()) == {PER_MICRO_BATCH}
