@@ -9,7 +9,7 @@ PYTHON_LATEST ?= $(shell for p in python3.12 "$$(pyenv prefix 3.12 2>/dev/null)/
 VENV_LATEST := .venv-latest
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: demo test test-latest bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel bench-remat lint
+.PHONY: demo test test-latest bench bench-planner bench-pipeline bench-ray bench-suite bench-fuzz bench-grad bench-costmodel bench-pricers bench-remat lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ bench-fuzz: $(STAMP)
 
 bench-costmodel: $(STAMP)
 	$(VENV)/bin/python benchmarks/cost_model.py
+
+# How DP/ZeRO are priced: jax.grad against autopar.grad steps, explain's rows against the methods.
+bench-pricers: $(STAMP)
+	$(VENV)/bin/python benchmarks/found_gradients.py
+	$(VENV)/bin/python benchmarks/pricers.py
 
 # Recomputation against XLA's memory analysis on one device (meant for a GPU: JAX_PLATFORMS=cuda).
 bench-remat: $(STAMP)

@@ -108,6 +108,7 @@ which is what a collective along axis 0 of a (hosts, devices_per_host) logical m
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import itertools
 import json
@@ -117,6 +118,8 @@ import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
+
+from autopar.planner.errors import InvalidArgumentError
 
 _INT_FIELDS = ("num_hosts", "devices_per_host")
 PLATFORMS = ("gpu", "cpu")
@@ -202,10 +205,12 @@ def _checked_curve(curve: Any) -> tuple[tuple[float, float], ...]:
     try:
         points = tuple((float(f), float(e)) for f, e in curve)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}") from e
+        raise InvalidArgumentError(
+            f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}"
+        ) from e
     ok = all(math.isfinite(f) and f > 0 and 0 < e <= 1 for f, e in points)
     if not ok or any(f0 >= f1 for (f0, _), (f1, _) in itertools.pairwise(points)):
-        raise ValueError(f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}")
+        raise InvalidArgumentError(f"ClusterSpec.matmul_efficiency must be {hint}, got {curve!r}")
     return points
 
 
@@ -272,7 +277,9 @@ class ClusterSpec:
         for field in _INT_FIELDS:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"ClusterSpec.{field} must be a positive int, got {value!r}")
+                raise InvalidArgumentError(
+                    f"ClusterSpec.{field} must be a positive int, got {value!r}"
+                )
             object.__setattr__(self, field, int(value))
         for field in _POSITIVE_FIELDS + _NON_NEGATIVE_FIELDS:
             value = getattr(self, field)
@@ -280,7 +287,7 @@ class ClusterSpec:
             ok = ok and math.isfinite(value) and value >= 0
             if not ok or (field in _POSITIVE_FIELDS and value == 0):
                 kind = "positive" if field in _POSITIVE_FIELDS else "non-negative"
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"ClusterSpec.{field} must be a {kind} finite number, got {value!r}"
                 )
             object.__setattr__(self, field, float(value))  # one type in reprs and JSON
@@ -293,21 +300,25 @@ class ClusterSpec:
             ok = ok and (field not in _FRACTION_FIELDS or value <= 1)
             if not ok:
                 kind = "number in (0, 1]" if field in _FRACTION_FIELDS else "positive finite number"
-                raise ValueError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
+                raise InvalidArgumentError(f"ClusterSpec.{field} must be a {kind}, got {value!r}")
             object.__setattr__(self, field, float(value))
         object.__setattr__(self, "matmul_efficiency", _checked_curve(self.matmul_efficiency))
         if (self.collective_cache_bytes is None) != (self.cached_intra_host_bandwidth is None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "ClusterSpec.collective_cache_bytes and cached_intra_host_bandwidth go together "
                 f"(both or neither), got {self.collective_cache_bytes!r} and "
                 f"{self.cached_intra_host_bandwidth!r}"
             )
         if not isinstance(self.dfs_schedule, bool):
-            raise ValueError(f"ClusterSpec.dfs_schedule must be a bool, got {self.dfs_schedule!r}")
+            raise InvalidArgumentError(
+                f"ClusterSpec.dfs_schedule must be a bool, got {self.dfs_schedule!r}"
+            )
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"ClusterSpec.name must be a non-empty str, got {self.name!r}")
+            raise InvalidArgumentError(
+                f"ClusterSpec.name must be a non-empty str, got {self.name!r}"
+            )
         if self.platform not in PLATFORMS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ClusterSpec.platform must be one of {PLATFORMS}, got {self.platform!r}"
             )
 
@@ -410,13 +421,15 @@ class ClusterSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         """Build from `to_dict()`'s output; every field but `name` is required, no extra keys."""
         if not isinstance(d, Mapping):
-            raise ValueError(f"ClusterSpec.from_dict needs a mapping, got {type(d).__name__}")
+            raise InvalidArgumentError(
+                f"ClusterSpec.from_dict needs a mapping, got {type(d).__name__}"
+            )
         fields = {f.name: f for f in dataclasses.fields(cls)}
         required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
         missing = sorted(required - d.keys())
         unknown = sorted(set(d.keys()) - fields.keys())
         if missing or unknown:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ClusterSpec.from_dict: missing keys {missing}, unknown keys {unknown}; "
                 f"expected {sorted(fields)}"
             )
@@ -429,13 +442,17 @@ class ClusterSpec:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except OSError as e:
-            raise ValueError(f"cannot read cluster spec file {os.fspath(path)!r}: {e}") from e
+            raise InvalidArgumentError(
+                f"cannot read cluster spec file {os.fspath(path)!r}: {e}"
+            ) from e
         except json.JSONDecodeError as e:
-            raise ValueError(f"cluster spec file {os.fspath(path)!r} is not valid JSON: {e}") from e
+            raise InvalidArgumentError(
+                f"cluster spec file {os.fspath(path)!r} is not valid JSON: {e}"
+            ) from e
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"cluster spec file {os.fspath(path)!r}: {e}") from e
+            raise InvalidArgumentError(f"cluster spec file {os.fspath(path)!r}: {e}") from e
 
     @classmethod
     def preset(cls, name: str) -> ClusterSpec:
@@ -445,13 +462,18 @@ class ClusterSpec:
         hosts, sep, node = name.partition("x")
         if sep and hosts.isdigit() and node in PRESETS:
             if int(hosts) < 1:
-                raise ValueError(f"cluster preset {name!r} needs at least 1 host, got {hosts}")
+                raise InvalidArgumentError(
+                    f"cluster preset {name!r} needs at least 1 host, got {hosts}"
+                )
             base = PRESETS[node]
             if int(hosts) == 1:
                 return base
             return dataclasses.replace(base, num_hosts=int(hosts), name=name)
-        raise ValueError(
-            f"unknown cluster preset {name!r}; known presets: {', '.join(preset_names())} "
+        names = [*PRESETS, *(f"{hosts}x{p}" for p in PRESETS if sep and hosts.isdigit())]
+        close = difflib.get_close_matches(name, names, 1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise InvalidArgumentError(
+            f"unknown cluster preset {name!r}; {hint}known presets: {', '.join(preset_names())} "
             f"(prefix 'Nx' for N hosts, e.g. '2x{preset_names()[0]}')"
         )
 
@@ -461,7 +483,7 @@ class ClusterSpec:
             not 1 <= num_hosts <= self.num_hosts
             or not 1 <= devices_per_host <= self.devices_per_host
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sub-cluster ({num_hosts}, {devices_per_host}) does not fit in cluster "
                 f"{self.name!r} of shape {self.physical_mesh_shape}"
             )

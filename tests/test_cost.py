@@ -8,6 +8,7 @@ import pytest
 from autopar.planner import cost
 from autopar.planner.cluster import PRESETS, ClusterSpec, preset_names
 from autopar.planner.cost import LogicalMesh, logical_mesh, resharding_cost, spec_bytes_per_device
+from autopar.planner.errors import AutoparError, InvalidArgumentError
 
 SPEC_KW = dict(
     num_hosts=2,
@@ -78,8 +79,18 @@ def test_preset_names_and_host_prefix():
 
 @pytest.mark.parametrize("name", ["TPUv9", "2xV100-p3", "0x8xV100-p3", "x8xV100-p3"])
 def test_unknown_preset_lists_known_ones(name):
-    with pytest.raises(ValueError, match=r"8xA100-80G, 8xH100-80G, 8xV100-p3|at least 1 host"):
+    with pytest.raises(AutoparError, match=r"8xA100-80G, 8xH100-80G, 8xV100-p3|at least 1 host"):
         ClusterSpec.preset(name)
+
+
+@pytest.mark.parametrize(
+    "name, meant",
+    [("8xV100p3", "8xV100-p3"), ("8xH100", "8xH100-80G"), ("2x8xA100-80", "2x8xA100-80G")],
+)
+def test_a_misspelt_preset_names_the_closest_one(name, meant):
+    with pytest.raises(InvalidArgumentError, match=rf"did you mean '{meant}'\?"):
+        ClusterSpec.preset(name)
+    assert ClusterSpec.preset(meant).num_devices >= 8
 
 
 @pytest.mark.parametrize(
@@ -99,7 +110,7 @@ def test_unknown_preset_lists_known_ones(name):
     ],
 )
 def test_validation_names_field_and_value(field, value):
-    with pytest.raises(ValueError, match=rf"ClusterSpec\.{field} .*got {value!r}"):
+    with pytest.raises(InvalidArgumentError, match=rf"ClusterSpec\.{field} .*got {value!r}"):
         ClusterSpec(**{**SPEC_KW, field: value})
 
 
