@@ -690,6 +690,40 @@ class LayerCosts:
         found = [tuple(plans.found) for plans in layers]
         return tuple(_stage_cost(found, lv) for lv in range(max(map(len, found))))
 
+    def why_rejected(
+        self, start: int, end: int, submesh: tuple, logical: tuple
+    ) -> PlanningError | None:
+        """Why the cost_fn has no plan of layers [start, end) on `logical`: the first layer
+        that cannot run there (its micro-batch does not split over the forced batch axis) or
+        never fits the device memory (with the least memory it needs); None if none is."""
+        signature = self.program.signature
+        for layer in range(start, end):
+            if self.layer_costs(layer, logical, 1):
+                continue
+            if stage_intra_config(self.config, logical, signature) is None:
+                return PlanningError(
+                    f"layer {layer} cannot run on logical mesh {logical}: its micro-batch does "
+                    f"not split over the mesh's first axis ({logical[0]} devices); choose a "
+                    "submesh_logical_shape whose first axis divides the micro-batch"
+                )
+            plans = self._layer_plans(layer, logical)
+            if plans is None:  # its floor alone is over the device memory
+                _, _, peak = self._analyses[self._structure(self.layer_program(layer).program)]
+                least = peak / math.prod(logical)
+            else:
+                least = plans.problem.least_memory()
+            return MemoryBudgetError(
+                f"layer {layer} alone needs at least {format_bytes(least)} per device on "
+                f"logical mesh {logical} ({math.prod(logical)} devices, sub-mesh {submesh}), "
+                f"over the memory budget of {format_bytes(self.device_memory)}: use fewer "
+                'stages (more devices each), AutoLayerOption(remat_mode="coarse_grained") or '
+                "ManualLayerOption(remat_layer=True), more micro-batches (smaller ones), or "
+                "more devices",
+                self.device_memory,
+                least,
+            )
+        return None
+
     def fastest(
         self, start: int, end: int, submesh: tuple, logical: tuple
     ) -> tuple[StageCost, ...]:

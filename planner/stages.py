@@ -263,7 +263,9 @@ def _fixed_solution(
     for i, (layers, submesh, logical) in enumerate(zip(ranges, submeshes, logicals, strict=True)):
         alternatives = _alternatives(cost_fn(layers[0], layers[1], submesh, logical))
         if not alternatives:
-            raise PlanningError(
+            why = getattr(cost_fn, "why_rejected", None)  # `pipeshard.LayerCosts` says why
+            error = None if why is None else why(layers[0], layers[1], submesh, logical)
+            raise error or PlanningError(
                 f"stage {i} (layers [{layers[0]},{layers[1]}) on sub-mesh {submesh} as logical "
                 f"mesh {logical}) cannot run: cost_fn rejected it"
             )

@@ -1146,3 +1146,23 @@ def test_values_a_layer_only_forwards_leave_its_structure_alone(uses_stats):
     assert program_structure(other.layer_program(2).program) != program_structure(middle[1])
     plans = {id(costs._layer_plans(n, (1, 2))) for n in range(1, blocks - 1)}
     assert len(plans) == 1
+
+
+def test_uniform_stages_whose_layer_never_fits_name_the_layer_and_its_memory():
+    """A stage of one layer on one device, under a budget below that layer's least memory: a
+    MemoryBudgetError with the layer, the mesh and the figures, not "cost_fn rejected it"."""
+    config = GPTConfig()
+    state = gpt.create_train_state(config, batch_size=2)
+    batch = gpt.make_batch(config, 16)
+    method = autopar.PipeshardParallel(
+        num_micro_batches=2,
+        layer_option=autopar.AutoLayerOption(layer_num=8, remat_mode="none"),
+        stage_option=autopar.UniformStageOption(num_stages=8),
+        auto_sharding_option=autopar.AutoShardingOption(memory_budget_per_device=1e6),
+    )
+    step = gpt.make_train_step(autopar.value_and_grad)
+    with pytest.raises(
+        MemoryBudgetError, match=r"layer 0 alone needs at least .* logical mesh"
+    ) as e:
+        autopar.plan(step, state, batch, method=method)
+    assert e.value.least > e.value.budget == 1e6
